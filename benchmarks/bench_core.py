@@ -1,0 +1,130 @@
+"""Core-engine speed and reuse benchmark (a script, not a test).
+
+Prints, side by side in one run:
+  1. batch planning time and predicted prefix reuse (unbounded cache) for the default
+     ``trie`` strategy, the ``paper`` strategy and retrieval order, on Zipf-like synthetic
+     batches (k = 15) of 12,000 and 100,000 contexts and on the real MultiHop-RAG trace;
+  2. ``prepare`` latency p50 / p99 with 1k, 10k and 100k live requests in the index.
+
+Targets (issue 2): default strategy plans 12,000 contexts in <= 1 s and 100,000 in <= 15 s;
+``prepare`` p50 <= 50 us and p99 <= 200 us at every index size.
+
+Usage: python benchmarks/bench_core.py [--quick] [--skip-paper-100k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.datasets import load_multihop_rag
+
+K = 15
+
+
+def zipf_batch(n: int, vocabulary: int, seed: int, exponent: float = 1.0) -> list[list[Block]]:
+    """n contexts of K distinct blocks drawn with Zipf-like popularity."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocabulary + 1) ** exponent
+    p /= p.sum()
+    draws = rng.choice(vocabulary, size=(n, 6 * K), p=p)
+    texts = {}
+    batch = []
+    for row in draws.tolist():
+        ids = list(dict.fromkeys(row))[:K]
+        batch.append(
+            [texts.setdefault(i, Block(id=f"z{i}", text=f"synthetic block {i}", tokens=512)) for i in ids]
+        )
+    return batch
+
+
+def multihop_batch() -> list[list[Block]]:
+    data = load_multihop_rag()
+    return [data.blocks_for(q) for q in data.queries]
+
+
+def plan_row(strategy: str, batch: list[list[Block]]) -> tuple[float, float]:
+    pilot = ContextPilot(strategy, max_live_requests=len(batch) + 1)
+    gc.collect()
+    start = time.perf_counter()
+    pilot.plan([(blocks, "q") for blocks in batch])
+    elapsed = time.perf_counter() - start
+    return elapsed, pilot.stats().predicted_hit_ratio
+
+
+def bench_plans(args: argparse.Namespace) -> None:
+    sizes = [2_000] if args.quick else [12_000, 100_000]
+    workloads = [
+        (f"zipf {n:,}", lambda n=n: zipf_batch(n, vocabulary=max(2_000, n // 2), seed=n)) for n in sizes
+    ]
+    workloads.append(("multihop 2,556", multihop_batch))
+    print("\n== batch plan: seconds (predicted reuse, unbounded cache) ==")
+    print(f"{'workload':<16}{'trie (default)':>22}{'paper':>22}{'retrieval':>22}{'trie/retrieval':>16}")
+    for name, make in workloads:
+        batch = make()
+        cells = {}
+        for strategy in ("trie", "paper", "retrieval"):
+            if strategy == "paper" and len(batch) > 20_000 and args.skip_paper_100k:
+                cells[strategy] = "skipped"
+                continue
+            seconds, reuse = plan_row(strategy, batch)
+            cells[strategy] = f"{seconds:8.2f}s ({reuse:6.1%})"
+            cells[strategy + "_reuse"] = reuse
+        ratio = cells.get("trie_reuse", 0) / max(cells.get("retrieval_reuse", 0), 1e-9)
+        print(f"{name:<16}{cells['trie']:>22}{cells['paper']:>22}{cells['retrieval']:>22}{ratio:>15.1f}x")
+
+
+def bench_prepare(args: argparse.Namespace) -> None:
+    sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
+    probes = zipf_batch(3_000, vocabulary=50_000, seed=99)
+    print("\n== prepare latency with N live requests (k = 15, Block objects given) ==")
+    print(f"{'strategy':<12}{'live':>10}{'p50 us':>10}{'p99 us':>10}{'hit':>8}")
+    for strategy in ("trie", "paper", "retrieval"):
+        for live in sizes:
+            if strategy == "paper" and live > 10_000:
+                print(f"{strategy:<12}{live:>10,}{'skipped: the paper search is O(children)':>40}")
+                continue
+            pilot = ContextPilot(strategy, max_live_requests=live)
+            fill = zipf_batch(live, vocabulary=max(2_000, live // 2), seed=live + 1)
+            if strategy == "paper":
+                pilot.plan([(blocks, "warm-up") for blocks in fill])  # the paper builds offline
+            else:
+                for blocks in fill:
+                    pilot.prepare(blocks, "warm-up")  # online fill: the index holds `live` requests
+            before = pilot.stats()
+            timings = []
+            gc.collect()
+            gc.disable()
+            for blocks in probes:
+                start = time.perf_counter_ns()
+                pilot.prepare(blocks, "q")
+                timings.append(time.perf_counter_ns() - start)
+            gc.enable()
+            after = pilot.stats()
+            hit = (after.predicted_cached_tokens - before.predicted_cached_tokens) / max(
+                1, after.tokens_sent - before.tokens_sent
+            )
+            timings.sort()
+            p50 = statistics.median(timings) / 1e3
+            p99 = timings[int(0.99 * len(timings))] / 1e3
+            print(f"{strategy:<12}{live:>10,}{p50:>10.1f}{p99:>10.1f}{hit:>8.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--skip-paper-100k", action="store_true", help="skip the slow paper build at 100k")
+    args = parser.parse_args()
+    bench_plans(args)
+    bench_prepare(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Prompt text: block rendering, the order annotation and location references.
+
+Why annotations: reordering for cache reuse changes the order the model reads, and
+de-duplication removes blocks it already saw. The paper (§5.3, §6) restores both pieces of
+information in plain words after the blocks, where they do not disturb the shared prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from .blocks import Block
+
+__all__ = ["Templates", "parse_order_annotation", "render_block"]
+
+
+class Templates(BaseModel):
+    """The strings used to render a prepared request (all configurable).
+
+    Placeholders: ``{label}`` and ``{text}`` in ``block``; ``{label}`` in ``reference``
+    and ``order_item``; ``{order}`` in ``order``; ``{query}`` in ``question``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block: str = "[{label}] {text}"
+    separator: str = "\n\n"
+    reference: str = "Please refer to [{label}] in the previous conversation."
+    order: str = "Please read the context in the following priority order: {order} and answer the question."
+    order_item: str = "[{label}]"
+    order_joiner: str = " > "
+    question: str = "Question: {query}"
+
+    @model_validator(mode="after")
+    def _check_placeholders(self) -> Templates:
+        required = {
+            "block": ("{label}", "{text}"),
+            "reference": ("{label}",),
+            "order": ("{order}",),
+            "order_item": ("{label}",),
+            "question": ("{query}",),
+        }
+        for name, placeholders in required.items():
+            value = getattr(self, name)
+            for placeholder in placeholders:
+                if placeholder not in value:
+                    raise ValueError(f"template {name!r} must contain {placeholder}")
+        return self
+
+
+DEFAULT_TEMPLATES = Templates()
+
+
+def render_block(block: Block, templates: Templates = DEFAULT_TEMPLATES) -> str:
+    """A block's prompt text. Depends on the block alone, so prefixes stay byte-identical."""
+    return templates.block.format(label=block.label, text=block.text)
+
+
+def render_reference(block: Block, templates: Templates = DEFAULT_TEMPLATES) -> str:
+    """The location annotation that replaces a block sent in an earlier turn."""
+    return templates.reference.format(label=block.label)
+
+
+def render_order(ranking: Sequence[Block], templates: Templates = DEFAULT_TEMPLATES) -> str:
+    """The order annotation: the retriever's ranking, restated by label."""
+    items = templates.order_joiner.join(templates.order_item.format(label=block.label) for block in ranking)
+    return templates.order.format(order=items)
+
+
+def parse_order_annotation(text: str, templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
+    """The labels of an order annotation, best first (the inverse of rendering it)."""
+    prefix, _, _ = templates.order_item.partition("{label}")
+    _, _, suffix = templates.order_item.partition("{label}")
+    pattern = re.escape(prefix) + r"(.+?)" + re.escape(suffix)
+    head, _, tail = templates.order.partition("{order}")
+    body = text
+    if head and body.startswith(head):
+        body = body[len(head) :]
+    if tail and body.endswith(tail):
+        body = body[: -len(tail)]
+    return [
+        re.fullmatch(pattern, part).group(1)  # type: ignore[union-attr]
+        for part in body.split(templates.order_joiner)
+        if re.fullmatch(pattern, part)
+    ]

@@ -1,0 +1,31 @@
+"""Exceptions raised by contextpilot-integrations.
+
+Every error subclasses :class:`ContextPilotError`, and input problems also subclass
+:class:`ValueError` or :class:`TypeError`, so callers can catch either family.
+"""
+
+from __future__ import annotations
+
+
+class ContextPilotError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidBlockError(ContextPilotError, ValueError):
+    """A context block cannot be used: empty text, a bad id or a bad token count."""
+
+
+class BlockTypeError(ContextPilotError, TypeError):
+    """A context block is not text (bytes, images, dicts without ``text``...)."""
+
+
+class DuplicateBlockError(InvalidBlockError):
+    """Two different texts were given under the same block id in one retrieval."""
+
+
+class UnknownStrategyError(ContextPilotError, ValueError):
+    """The strategy name is not registered."""
+
+
+class DuplicateRequestError(ContextPilotError, ValueError):
+    """A request id is already live in the index."""

@@ -1,0 +1,230 @@
+"""A block-level trie of the block orders sent to the engine, keyed by request id.
+
+It mirrors the engine's radix tree at block granularity: a path from the root is a prefix
+some live request sent, so its length is the prefix the engine can reuse. Evicting a
+request removes exactly the part of its path no other live request shares.
+
+Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` guards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+from ..errors import DuplicateRequestError
+
+K = TypeVar("K", bound=Hashable)
+
+__all__ = ["PrefixTrie"]
+
+
+class _Node(Generic[K]):
+    __slots__ = ("children", "count", "key", "parent", "request_ids")
+
+    def __init__(self, key: K | None, parent: _Node[K] | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[K, _Node[K]] = {}
+        self.count = 0  # live requests whose path passes through (or ends at) this node
+        self.request_ids: set[str] | None = None  # requests whose path ends here
+
+
+def _by_count_then_key(item: tuple[Any, _Node[Any]]) -> tuple[int, Any]:
+    return item[1].count, item[0]
+
+
+class PrefixTrie(Generic[K]):
+    """Live block orders by request id, with prefix matching and popularity counts."""
+
+    def __init__(self, max_search_nodes: int = 8) -> None:
+        self.root: _Node[K] = _Node(None, None)
+        self._terminal: dict[str, _Node[K]] = {}
+        self._popularity: dict[K, int] = {}
+        self._nodes = 0
+        self.max_search_nodes = max_search_nodes
+
+    # ---- queries -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._terminal)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._terminal
+
+    @property
+    def node_count(self) -> int:
+        """Nodes below the root (one per cached block position)."""
+        return self._nodes
+
+    def popularity(self, key: K) -> int:
+        """How many live requests carry this block."""
+        return self._popularity.get(key, 0)
+
+    def request_ids(self) -> list[str]:
+        return list(self._terminal)
+
+    def order_of(self, request_id: str) -> list[K]:
+        """The block order a live request was sent with."""
+        node = self._terminal[request_id]
+        keys: list[K] = []
+        while node.parent is not None:
+            keys.append(node.key)  # type: ignore[arg-type]
+            node = node.parent
+        keys.reverse()
+        return keys
+
+    def match_length(self, order: Sequence[K]) -> int:
+        """How many leading blocks of ``order`` some live request already sent."""
+        node = self.root
+        for depth, key in enumerate(order):
+            child = node.children.get(key)
+            if child is None:
+                return depth
+            node = child
+        return len(order)
+
+    def best_prefix(self, keys: Collection[K]) -> list[K]:
+        """The longest live path made only of blocks in ``keys`` (any order).
+
+        A depth-first search, most-shared child first, that explores at most
+        ``max_search_nodes`` branches (each followed down while it does not fork), so its
+        cost does not grow with the index; children are looked up by the request's keys.
+        """
+        best: tuple[K, ...] = ()
+        budget = self.max_search_nodes
+        stack: list[tuple[_Node[K], tuple[K, ...], frozenset[K]]] = [(self.root, (), frozenset(keys))]
+        while stack and budget > 0:
+            node, path, remaining = stack.pop()
+            if len(path) + len(remaining) <= len(best):
+                continue  # cannot beat the best path found so far
+            budget -= 1
+            while True:  # follow the path while it does not branch
+                children = node.children
+                if len(children) < len(remaining):
+                    found = [(key, child) for key, child in children.items() if key in remaining]
+                else:
+                    found = [(key, child) for key in remaining if (child := children.get(key)) is not None]
+                if len(found) != 1:
+                    break
+                key, node = found[0]
+                path += (key,)
+                remaining = remaining - {key}
+            if len(path) > len(best):
+                best = path
+                if not remaining:
+                    break
+            if not found:
+                continue
+            found.sort(key=_by_count_then_key)  # most-shared child explored first
+            stack.extend((child, (*path, key), remaining - {key}) for key, child in found)
+        return list(best)
+
+    # ---- updates -----------------------------------------------------------------
+    def insert(self, request_id: str, order: Sequence[K]) -> int:
+        """Record that ``request_id`` was sent with ``order``; returns the blocks it reused."""
+        if request_id in self._terminal:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
+        node = self.root
+        node.count += 1
+        reused = 0
+        popularity = self._popularity
+        for key in order:
+            popularity[key] = popularity.get(key, 0) + 1
+        for key in order:  # walk the shared part
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.count += 1
+            node = child
+            reused += 1
+        for key in order[reused:]:  # grow the rest
+            child = _Node(key, node)
+            child.count = 1
+            node.children[key] = child
+            node = child
+        self._nodes += len(order) - reused
+        if node.request_ids is None:
+            node.request_ids = set()
+        node.request_ids.add(request_id)
+        self._terminal[request_id] = node
+        return reused
+
+    def evict(self, request_id: str) -> bool:
+        """Forget a request; remove the nodes no other live request passes through."""
+        node = self._terminal.pop(request_id, None)
+        if node is None:
+            return False
+        node.request_ids.discard(request_id)  # type: ignore[union-attr]
+        popularity = self._popularity
+        while node.parent is not None:
+            parent = node.parent
+            node.count -= 1
+            key = node.key
+            left = popularity[key] - 1  # type: ignore[index]
+            if left:
+                popularity[key] = left  # type: ignore[index]
+            else:
+                del popularity[key]  # type: ignore[arg-type]
+            if node.count == 0:
+                del parent.children[key]  # type: ignore[arg-type]
+                node.parent = None
+                self._nodes -= 1
+            node = parent
+        node.count -= 1
+        return True
+
+    def truncate(self, request_id: str, keep: int) -> bool:
+        """The engine now holds only the first ``keep`` blocks of this request's path.
+
+        Drops the request when ``keep`` is 0; returns whether the request was live.
+        """
+        if request_id not in self._terminal:
+            return False
+        order = self.order_of(request_id)
+        if keep >= len(order):
+            return True
+        self.evict(request_id)
+        if keep > 0:
+            self.insert(request_id, order[:keep])
+        return True
+
+    def clear(self) -> None:
+        self.root = _Node(None, None)
+        self._terminal.clear()
+        self._popularity.clear()
+        self._nodes = 0
+
+    # ---- introspection (tests, drawings) -------------------------------------------
+    def iter_nodes(self) -> Iterator[tuple[tuple[K, ...], int, frozenset[str]]]:
+        """Every node as (path of keys, live count, request ids ending there), pre-order."""
+        stack: list[tuple[_Node[K], tuple[K, ...]]] = [(self.root, ())]
+        while stack:
+            node, path = stack.pop()
+            if node is not self.root:
+                yield path, node.count, frozenset(node.request_ids or ())
+            for key, child in node.children.items():
+                stack.append((child, (*path, key)))
+
+    def check(self) -> None:
+        """Assert the structural invariants (a tree; counts equal live requests below)."""
+        seen: set[int] = set()
+        total = 0
+
+        def walk(node: _Node[K]) -> int:
+            nonlocal total
+            assert id(node) not in seen, "node reachable twice: not a tree"
+            seen.add(id(node))
+            below = len(node.request_ids or ())
+            for key, child in node.children.items():
+                assert child.parent is node and child.key == key, "broken parent link"
+                below += walk(child)
+            assert node.count == below, f"count {node.count} != live requests below {below}"
+            if node is not self.root:
+                assert node.count > 0, "dead node left behind"
+                total += 1
+            return below
+
+        assert walk(self.root) == len(self._terminal)
+        assert total == self._nodes
+        for rid, node in self._terminal.items():
+            assert node.request_ids is not None and rid in node.request_ids

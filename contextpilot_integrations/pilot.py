@@ -1,0 +1,410 @@
+"""ContextPilot: the one object the framework adapters (and users) call.
+
+It owns three pieces of state behind one lock: the live :class:`PrefixTrie` (what the
+engine is predicted to hold), the ordering strategy, and the conversations. Preparing a
+request is a few dictionary look-ups per block, so the lock is held for microseconds and
+the same instance can serve threads and asyncio tasks alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from tqdm.auto import tqdm
+
+from .annotations import DEFAULT_TEMPLATES, Templates
+from .blocks import Block, BlockLike, normalize_blocks
+from .conversations import ConversationStore
+from .errors import BlockTypeError, DuplicateRequestError
+from .index.prefix_trie import PrefixTrie
+from .index.strategies import Strategy, make_strategy
+from .prepared import PreparedRequest, make_reference
+
+__all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
+
+
+class PilotStats(BaseModel):
+    """A snapshot of what the pilot holds and has done."""
+
+    model_config = ConfigDict(frozen=True)
+
+    strategy: str
+    live_requests: int
+    index_nodes: int
+    conversations: int
+    requests_prepared: int
+    blocks_sent: int
+    blocks_referenced: int
+    tokens_sent: int
+    tokens_referenced: int
+    predicted_cached_blocks: int
+    predicted_cached_tokens: int
+    requests_evicted: int
+
+    @property
+    def predicted_hit_ratio(self) -> float:
+        """Predicted cached block tokens over block tokens sent."""
+        return self.predicted_cached_tokens / self.tokens_sent if self.tokens_sent else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """One request of a batch for :meth:`ContextPilot.plan`."""
+
+    blocks: Sequence[BlockLike]
+    query: str
+    conversation_id: str | None = None
+    kept_turns: Collection[int] | None = None
+    request_id: str | None = None
+
+
+BatchItem = BatchRequest | tuple[Sequence[BlockLike], str] | Mapping[str, Any]
+
+
+@dataclass(slots=True)
+class _Counters:
+    prepared: int = 0
+    blocks_sent: int = 0
+    blocks_referenced: int = 0
+    tokens_sent: int = 0
+    tokens_referenced: int = 0
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    evicted: int = 0
+
+
+class ContextPilot:
+    """Reorders, schedules and de-duplicates context blocks for prefix-cache reuse.
+
+    Args:
+        strategy: ``"trie"`` (default), ``"paper"`` or ``"retrieval"`` (no reordering).
+        templates: prompt templates for blocks, references and annotations.
+        annotate_order: add the order annotation that restates the retriever's ranking.
+        max_live_requests: bound on requests tracked in the index; the oldest are
+            forgotten first (use eviction events to stay exact).
+        conversation_ttl: seconds after which an idle conversation is forgotten
+            (``None``: never).
+        max_conversations: bound on conversations tracked (least recently used go first).
+        request_id_prefix: prefix of generated request ids.
+        **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
+    """
+
+    def __init__(
+        self,
+        strategy: str = "trie",
+        *,
+        templates: Templates | None = None,
+        annotate_order: bool = True,
+        max_live_requests: int = 200_000,
+        conversation_ttl: float | None = 3600.0,
+        max_conversations: int = 10_000,
+        request_id_prefix: str = "cp",
+        **strategy_options: Any,
+    ) -> None:
+        if max_live_requests < 1:
+            raise ValueError("max_live_requests must be at least 1")
+        self.templates = templates or DEFAULT_TEMPLATES
+        self.annotate_order = annotate_order
+        self.max_live_requests = max_live_requests
+        self._trie: PrefixTrie[str] = PrefixTrie()
+        self._strategy: Strategy = make_strategy(strategy, self._trie, **strategy_options)
+        self._conversations = ConversationStore(conversation_ttl, max_conversations)
+        self._live: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
+        self._lock = threading.RLock()
+        self._counters = _Counters()
+        self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
+        self._ids = itertools.count()
+
+    @property
+    def strategy(self) -> str:
+        return self._strategy.name
+
+    # ---- one request ------------------------------------------------------------------
+    def prepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        request_id: str | None = None,
+    ) -> PreparedRequest:
+        """Order one request's blocks for cache reuse and record it in the index.
+
+        Args:
+            blocks: the retrieved blocks, best first (or with ``rank`` set).
+            query: the user's question.
+            conversation_id: blocks already sent in this conversation become location
+                references (while the turn that carried them is kept).
+            kept_turns: the earlier turns (0-based) still in the history you send;
+                ``None`` means all of them.
+            request_id: your own id for the engine; generated when omitted.
+
+        Raises:
+            InvalidBlockError, BlockTypeError: a block is empty, not text, or an id is
+                given twice with different texts. Nothing is recorded then.
+        """
+        normalized, merged = normalize_blocks(blocks)
+        _check_query(query)
+        with self._lock:
+            return self._prepare_locked(
+                normalized, merged, query, conversation_id, kept_turns, request_id, None
+            )
+
+    async def aprepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        request_id: str | None = None,
+    ) -> PreparedRequest:
+        """Async variant of :meth:`prepare` (it never blocks on I/O, so it runs inline)."""
+        return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, request_id=request_id)
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            return f"{self._id_prefix}{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty str")
+        if request_id in self._live:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
+        return request_id
+
+    def _prepare_locked(
+        self,
+        blocks: list[Block],
+        merged: list[str],
+        query: str,
+        conversation_id: str | None,
+        kept_turns: Collection[int] | None,
+        request_id: str | None,
+        planned_order: list[str] | None,
+        batch_index: int | None = None,
+    ) -> PreparedRequest:
+        rid = self._new_request_id(request_id)
+        by_id = {block.id: block for block in blocks}
+        turn: int | None = None
+        fresh = blocks
+        references = ()
+        if conversation_id is not None:
+            dedup = self._conversations.deduplicate(conversation_id, blocks, kept_turns)
+            turn, fresh = dedup.turn, dedup.fresh
+            references = tuple(make_reference(b, t, self.templates) for b, t in dedup.repeated)
+        cached_blocks = cached_tokens = 0
+        if turn:
+            # later turns start with this conversation's own history, which no other
+            # request shares: keep the retriever's order and leave the index alone
+            sent = fresh
+            if planned_order is not None:
+                self._strategy.forget(rid)
+        else:
+            keys = [block.id for block in fresh]
+            order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
+            sent = [by_id[key] for key in order]
+            cached_blocks = self._trie.insert(rid, order)
+            cached_tokens = sum([block.token_count for block in sent[:cached_blocks]])
+            self._live[rid] = None
+            self._enforce_bound()
+        counters = self._counters
+        counters.prepared += 1
+        counters.blocks_sent += len(sent)
+        counters.tokens_sent += sum(block.token_count for block in sent)
+        counters.blocks_referenced += len(references)
+        counters.tokens_referenced += sum(r.block.token_count for r in references)
+        counters.cached_blocks += cached_blocks
+        counters.cached_tokens += cached_tokens
+        return PreparedRequest(
+            request_id=rid,
+            query=query,
+            blocks=tuple(sent),
+            references=references,
+            ranking=tuple(blocks),
+            conversation_id=conversation_id,
+            turn=turn,
+            cached_blocks=cached_blocks,
+            cached_tokens=cached_tokens,
+            merged_duplicates=tuple(merged),
+            batch_index=batch_index,
+            annotate_order=self.annotate_order,
+            templates=self.templates,
+        )
+
+    # ---- a batch ------------------------------------------------------------------------
+    def plan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
+        """Offline mode: order every request of a batch and schedule the batch.
+
+        Returns the prepared requests in send order; each keeps its own query and its
+        position in the input as ``batch_index``. Turns of one conversation keep their
+        relative order (they take the schedule slots of that conversation, in turn order).
+
+        Raises:
+            InvalidBlockError, BlockTypeError: for any bad request (naming its index);
+                nothing is recorded then.
+        """
+        items = [_batch_request(item, index) for index, item in enumerate(requests)]
+        normalized = []
+        for index, item in enumerate(items):
+            try:
+                normalized.append(normalize_blocks(item.blocks))
+                _check_query(item.query)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request #{index}: {exc}") from exc
+        with self._lock:
+            ids = [self._new_request_id(item.request_id) for item in items]
+            if len(set(ids)) != len(ids):
+                raise DuplicateRequestError("request ids repeat within the batch")
+            batch = [
+                (rid, [block.id for block in blocks])
+                for rid, (blocks, _) in zip(ids, normalized, strict=True)
+            ]
+            orders, schedule = self._strategy.plan(batch)
+            schedule = _keep_turn_order(schedule, [item.conversation_id for item in items])
+            prepared = []
+            steps = tqdm(schedule, desc="planning", unit="req", disable=not progress)
+            for index in steps:
+                item, (blocks, merged) = items[index], normalized[index]
+                prepared.append(
+                    self._prepare_locked(
+                        blocks,
+                        merged,
+                        item.query,
+                        item.conversation_id,
+                        item.kept_turns,
+                        ids[index],
+                        orders[index],
+                        index,
+                    )
+                )
+            return prepared
+
+    async def aplan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
+        """Async variant of :meth:`plan`, run in a worker thread."""
+        return await asyncio.to_thread(self.plan, list(requests), progress=progress)
+
+    # ---- engine state ---------------------------------------------------------------------
+    def evict(self, request_ids: Iterable[str]) -> int:
+        """The engine no longer holds these requests' prefixes; unknown ids are ignored.
+
+        Returns:
+            How many of the ids were live.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        with self._lock:
+            evicted = 0
+            for rid in request_ids:
+                if rid in self._live:
+                    del self._live[rid]
+                    self._forget(rid)
+                    evicted += 1
+            self._counters.evicted += evicted
+            return evicted
+
+    def truncate(self, request_id: str, cached_blocks: int) -> bool:
+        """The engine now holds only the first ``cached_blocks`` blocks of this request.
+
+        Partial evictions keep the rest of the request's prefix predictable; 0 evicts it.
+        Returns whether the request was live.
+        """
+        if cached_blocks < 0:
+            raise ValueError("cached_blocks must be >= 0")
+        if cached_blocks == 0:
+            return self.evict([request_id]) == 1
+        with self._lock:
+            return self._trie.truncate(request_id, cached_blocks)
+
+    def reset(self) -> None:
+        """The engine holds nothing any more (restart, ``/flush_cache``)."""
+        with self._lock:
+            self._counters.evicted += len(self._live)
+            self._live.clear()
+            self._trie.clear()
+            self._strategy.reset()
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's seen blocks; returns whether it was tracked."""
+        with self._lock:
+            return self._conversations.end(conversation_id)
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of the requests the index holds, oldest first."""
+        with self._lock:
+            return list(self._live)
+
+    def stats(self) -> PilotStats:
+        """Live index size, conversations tracked, hits predicted."""
+        with self._lock:
+            c = self._counters
+            return PilotStats(
+                strategy=self.strategy,
+                live_requests=len(self._live),
+                index_nodes=self._trie.node_count,
+                conversations=len(self._conversations),
+                requests_prepared=c.prepared,
+                blocks_sent=c.blocks_sent,
+                blocks_referenced=c.blocks_referenced,
+                tokens_sent=c.tokens_sent,
+                tokens_referenced=c.tokens_referenced,
+                predicted_cached_blocks=c.cached_blocks,
+                predicted_cached_tokens=c.cached_tokens,
+                requests_evicted=c.evicted,
+            )
+
+    def check(self) -> None:
+        """Assert internal consistency (for tests): index, strategy and live ids agree."""
+        with self._lock:
+            self._trie.check()
+            assert set(self._trie.request_ids()) == set(self._live), "index and live ids differ"
+
+    # ---- internals -------------------------------------------------------------------------
+    def _forget(self, rid: str) -> None:
+        self._trie.evict(rid)
+        self._strategy.forget(rid)
+
+    def _enforce_bound(self) -> None:
+        while len(self._live) > self.max_live_requests:
+            oldest, _ = self._live.popitem(last=False)
+            self._forget(oldest)
+            self._counters.evicted += 1
+
+
+def _check_query(query: object) -> None:
+    if not isinstance(query, str):
+        raise BlockTypeError(f"query must be str, got {type(query).__name__}")
+
+
+def _batch_request(item: BatchItem, index: int) -> BatchRequest:
+    if isinstance(item, BatchRequest):
+        return item
+    if isinstance(item, tuple) and len(item) == 2:
+        return BatchRequest(blocks=item[0], query=item[1])
+    if isinstance(item, Mapping):
+        try:
+            return BatchRequest(**item)
+        except TypeError as exc:
+            raise TypeError(f"request #{index}: {exc}") from exc
+    raise TypeError(f"request #{index}: expected BatchRequest, (blocks, query) or a mapping")
+
+
+def _keep_turn_order(schedule: list[int], conversations: Sequence[str | None]) -> list[int]:
+    """Let each conversation's requests take its schedule slots in input (turn) order."""
+    by_conversation: dict[str, list[int]] = {}
+    for index, cid in enumerate(conversations):
+        if cid is not None:
+            by_conversation.setdefault(cid, []).append(index)
+    if not by_conversation:
+        return schedule
+    queues = {cid: iter(indices) for cid, indices in by_conversation.items()}
+    return [
+        index if conversations[index] is None else next(queues[conversations[index]]) for index in schedule
+    ]  # type: ignore[index]

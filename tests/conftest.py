@@ -1,0 +1,12 @@
+"""Shared fixtures: the bundled MultiHop-RAG sample (real data, shipped in the package)."""
+
+from __future__ import annotations
+
+import pytest
+
+from contextpilot_integrations.datasets import MultiHopRAG, load_multihop_rag
+
+
+@pytest.fixture(scope="session")
+def multihop() -> MultiHopRAG:
+    return load_multihop_rag()

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from contextpilot_integrations import (
+    Block,
+    BlockTypeError,
+    DuplicateBlockError,
+    InvalidBlockError,
+    content_id,
+)
+from contextpilot_integrations.blocks import normalize_blocks
+
+
+def test_id_defaults_to_content_hash_and_is_stable() -> None:
+    a, b = Block(text="Paris is the capital of France."), Block(text="Paris is the capital of France.")
+    assert a.id == b.id == content_id("Paris is the capital of France.")
+    assert a.label == b.label and a.label.startswith("Doc_")
+
+
+def test_given_id_is_kept_and_int_ids_become_str() -> None:
+    assert Block(id="545", text="x").label == "Doc_545"
+    assert Block(id=545, text="x").id == "545"  # type: ignore[arg-type]
+
+
+def test_unsafe_ids_get_a_hashed_label_without_brackets() -> None:
+    block = Block(id="https://example.org/a b]c", text="x")
+    assert block.label.startswith("Doc_") and "]" not in block.label and " " not in block.label
+
+
+@pytest.mark.parametrize("text", ["", "   \n"])
+def test_blank_text_is_rejected(text: str) -> None:
+    with pytest.raises(InvalidBlockError, match="empty"):
+        Block(text=text)
+
+
+@pytest.mark.parametrize("content", [b"bytes", 3.5, {"image": "..."}, None])
+def test_non_text_content_is_rejected(content: object) -> None:
+    with pytest.raises(BlockTypeError, match="must be str"):
+        Block(text=content)  # type: ignore[arg-type]
+
+
+def test_token_count_given_or_estimated() -> None:
+    assert Block(text="x" * 400, tokens=7).token_count == 7
+    assert Block(text="x" * 400).token_count == 100
+    with pytest.raises(InvalidBlockError):
+        normalize_blocks([{"text": "x", "tokens": 0}])
+
+
+def test_normalize_ranks_by_position_and_accepts_str_and_mappings() -> None:
+    blocks, merged = normalize_blocks(["first", {"id": "b", "text": "second"}, Block(id="c", text="third")])
+    assert [b.text for b in blocks] == ["first", "second", "third"]
+    assert [b.id for b in blocks][1:] == ["b", "c"] and merged == []
+
+
+def test_explicit_ranks_define_the_order() -> None:
+    blocks, _ = normalize_blocks([Block(id="a", text="a", rank=2), Block(id="b", text="b", rank=0)])
+    assert [b.id for b in blocks] == ["b", "a"]
+
+
+def test_identical_duplicates_are_merged_and_reported_conflicts_raise() -> None:
+    blocks, merged = normalize_blocks(
+        [{"id": "a", "text": "A"}, {"id": "b", "text": "B"}, {"id": "a", "text": "A"}]
+    )
+    assert [b.id for b in blocks] == ["a", "b"] and merged == ["a"]
+    with pytest.raises(DuplicateBlockError, match=r"block #1.*different text"):
+        normalize_blocks([{"id": "a", "text": "A"}, {"id": "a", "text": "other"}])
+
+
+def test_errors_name_the_position() -> None:
+    with pytest.raises(BlockTypeError, match="block #2"):
+        normalize_blocks(["a", "b", 42])  # type: ignore[list-item]
+    with pytest.raises(BlockTypeError, match="sequence of blocks"):
+        normalize_blocks("not a list")  # type: ignore[arg-type]
