@@ -17,6 +17,16 @@ setup() {
   "$VENV/bin/python" -m pip install --quiet -e ".[$1]"
 }
 
+# SGLang's radix cache runs on CPU in the tests: torch CPU (pip takes the local CPU wheel
+# where PIP_FIND_LINKS offers one) and sglang without its GPU dependencies.
+setup_sglang() {
+  if ! "$VENV/bin/python" -c "import sglang" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet torch==2.13.0 orjson psutil pybase64 requests packaging \
+      pillow starlette msgspec pyzmq IPython aiohttp transformers dill openai partial-json-parser
+    "$VENV/bin/python" -m pip install --quiet --no-deps sglang==0.5.23 sentencepiece compressed-tensors loguru gguf
+  fi
+}
+
 command="${1:-demo}"
 shift || true
 case "$command" in
@@ -26,6 +36,7 @@ case "$command" in
     ;;
   test)
     setup dev
+    setup_sglang
     "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

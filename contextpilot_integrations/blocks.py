@@ -70,7 +70,7 @@ class Block(BaseModel):
             return f"Doc_{self.id}"
         return f"Doc_{hashlib.sha256(self.id.encode('utf-8')).hexdigest()[:12]}"
 
-    @property
+    @cached_property
     def token_count(self) -> int:
         """The given token count, else an estimate (about four characters a token)."""
         if self.tokens is not None:

@@ -22,11 +22,11 @@ __all__ = ["PrefixTrie"]
 class _Node(Generic[K]):
     __slots__ = ("children", "count", "key", "parent", "request_ids")
 
-    def __init__(self, key: K | None, parent: _Node[K] | None) -> None:
+    def __init__(self, key: K | None, parent: _Node[K] | None, count: int = 0) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[K, _Node[K]] = {}
-        self.count = 0  # live requests whose path passes through (or ends at) this node
+        self.count = count  # live requests whose path passes through (or ends at) this node
         self.request_ids: set[str] | None = None  # requests whose path ends here
 
 
@@ -138,9 +138,7 @@ class PrefixTrie(Generic[K]):
             node = child
             reused += 1
         for key in order[reused:]:  # grow the rest
-            child = _Node(key, node)
-            child.count = 1
-            node.children[key] = child
+            child = node.children[key] = _Node(key, node, 1)
             node = child
         self._nodes += len(order) - reused
         if node.request_ids is None:

@@ -1,0 +1,140 @@
+"""Drive SGLang's real radix cache on CPU (sglang 0.5.23, torch CPU).
+
+SGLang imports a few GPU-only modules at module level that the cache code never runs
+(``triton``, ``torchvision``, ``tvm_ffi``); they are replaced by inert stand-ins before
+the import. Nothing of SGLang's cache is faked: allocator, tree and eviction are real.
+Set ``CONTEXTPILOT_REQUIRE_SGLANG=1`` (CI does) to fail instead of skip when it is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from array import array
+from typing import Any
+
+import pytest
+
+STUBBED = ("triton", "torchvision", "tvm_ffi")
+
+
+class _Inert:
+    """Absorbs any use: attribute access, calls, decorators, subscripts."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__") and item.endswith("__"):
+            raise AttributeError(item)
+        return _Inert(f"{self._name}.{item}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]  # bare decorator
+        return _Inert(f"{self._name}()")
+
+    def __getitem__(self, item: Any) -> Any:
+        return _Inert(f"{self._name}[]")
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
+        return (object,)
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__") and item.endswith("__"):
+            raise AttributeError(item)
+        # torch itself does isinstance(x, triton.<CamelCase>): give it real classes
+        if self.__name__.split(".")[0] == "triton" and item.lstrip("_")[:1].isupper():
+            cls = type(item, (), {"__module__": self.__name__})
+            setattr(self, item, cls)
+            return cls
+        return _Inert(f"{self.__name__}.{item}")
+
+
+class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname.split(".")[0] in STUBBED:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0"  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def import_sglang() -> types.SimpleNamespace:
+    """The SGLang cache classes, or a skip (a failure when SGLang is required)."""
+    if not any(isinstance(f, _InertFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InertFinder())
+    try:
+        import torch
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    except ImportError as exc:
+        if os.environ.get("CONTEXTPILOT_REQUIRE_SGLANG"):
+            raise
+        pytest.skip(f"sglang is not installed ({exc}); ./run.sh test installs it")
+    return types.SimpleNamespace(**locals())
+
+
+class SGLangRadix:
+    """SGLang's ``RadixCache`` with a real allocator of ``capacity`` tokens, served the
+    way the scheduler does: match, lock the prefix, evict what the new tokens need,
+    allocate, insert, unlock."""
+
+    def __init__(self, capacity: int, page_size: int = 1) -> None:
+        sgl = self.sgl = import_sglang()
+        self.allocator = sgl.TokenToKVPoolAllocator(
+            size=capacity, dtype=sgl.torch.float16, device="cpu", kvcache=None, need_sort=False
+        )
+        self.cache = sgl.RadixCache(
+            sgl.CacheInitParams(
+                disable=False,
+                req_to_token_pool=None,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=page_size,
+                eviction_policy="lru",
+                enable_kv_cache_events=True,
+            )
+        )
+
+    def _key(self, tokens: list[int]) -> Any:
+        return self.sgl.RadixKey(array("q", tokens))
+
+    def match(self, tokens: list[int]) -> int:
+        return self.cache.match_prefix(self.sgl.MatchPrefixParams(key=self._key(tokens))).device_prefix_len
+
+    def serve(self, tokens: list[int]) -> int:
+        """One request; returns the cached prefix length SGLang reused."""
+        sgl, cache = self.sgl, self.cache
+        match = cache.match_prefix(sgl.MatchPrefixParams(key=self._key(tokens)))
+        hit = match.device_prefix_len
+        lock = cache.lock(match.last_device_node)
+        need = len(tokens) - hit
+        if need > self.allocator.available_size():
+            cache.evict(sgl.EvictParams(num_tokens=need - self.allocator.available_size()))
+        fresh = self.allocator.alloc(need)
+        assert fresh is not None, "the request does not fit the cache"
+        value = sgl.torch.cat([cache.path_device_indices(match.last_device_node), fresh]) if hit else fresh
+        result = cache.insert(sgl.InsertParams(key=self._key(tokens), value=value))
+        assert result.prefix_len == hit
+        cache.unlock(lock)
+        return hit

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from contextpilot_integrations.cli import main
+
+
+def test_demo_prints_a_table_and_writes_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--capacity", "0.25", "--out", str(tmp_path), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for text in ("retrieval order", "paper", "trie (default)", "offline", "online", "reuse bound", "multi-turn"):
+        assert text in out
+    plot = tmp_path / "hit_ratio_vs_capacity.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(plot.resolve()) in out
+
+
+def test_simulate_json_and_plan_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [{"id": f"r{i}", "blocks": [f"b{j}" for j in range(i % 5, i % 5 + 4)], "tokens": [50] * 4} for i in range(40)]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    plan = tmp_path / "plan.jsonl"
+    code = main(["simulate", "--trace", str(trace), "--json", "--plan-out", str(plan), "--no-plot", "--capacity", "0.5,1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 40 and len(report["results"]) == 2 * 2 * 3
+    rows = [json.loads(line) for line in plan.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(line["id"] for line in lines)
+    by_id = {line["id"]: line for line in lines}
+    assert all(sorted(r["blocks"]) == sorted(by_id[r["id"]]["blocks"]) for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"id": "a", "blocks": ["x"]}\n{"id": "b", "blocks": []}\n', "t.jsonl:2: blocks"),
+        ('{"id": "a", "blocks": ["x"], "extra": 1}\n', "t.jsonl:1: extra"),
+        ('{"id": "a", "blocks": ["x"], "tokens": [0]}\n', "t.jsonl:1: "),
+        ("nope\n", "t.jsonl:1: not valid JSON"),
+    ],
+)
+def test_bad_traces_exit_non_zero_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(content, encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--no-plot"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_trace_and_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot open" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--capacity", "2"])
+    assert main(["demo", "--strategies", "magic", "--no-plot"]) == 2
