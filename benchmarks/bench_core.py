@@ -37,9 +37,7 @@ def zipf_batch(n: int, vocabulary: int, seed: int, exponent: float = 1.0) -> lis
     batch = []
     for row in draws.tolist():
         ids = list(dict.fromkeys(row))[:K]
-        batch.append(
-            [texts.setdefault(i, Block(id=f"z{i}", text=f"synthetic block {i}", tokens=512)) for i in ids]
-        )
+        batch.append([texts.setdefault(i, Block(id=f"z{i}", text=f"synthetic block {i}", tokens=512)) for i in ids])
     return batch
 
 
@@ -59,9 +57,7 @@ def plan_row(strategy: str, batch: list[list[Block]]) -> tuple[float, float]:
 
 def bench_plans(args: argparse.Namespace) -> None:
     sizes = [2_000] if args.quick else [12_000, 100_000]
-    workloads = [
-        (f"zipf {n:,}", lambda n=n: zipf_batch(n, vocabulary=max(2_000, n // 2), seed=n)) for n in sizes
-    ]
+    workloads = [(f"zipf {n:,}", lambda n=n: zipf_batch(n, vocabulary=max(2_000, n // 2), seed=n)) for n in sizes]
     workloads.append(("multihop 2,556", multihop_batch))
     print("\n== batch plan: seconds (predicted reuse, unbounded cache) ==")
     print(f"{'workload':<16}{'trie (default)':>22}{'paper':>22}{'retrieval':>22}{'trie/retrieval':>16}")
@@ -115,9 +111,7 @@ def bench_prepare(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--skip-paper-100k", action="store_true", help="skip the slow paper build at 100k")
     args = parser.parse_args()

@@ -109,9 +109,7 @@ def _to_block(item: BlockLike, position: int) -> Block:
             return Block(**item)
     except (BlockTypeError, InvalidBlockError) as exc:
         raise type(exc)(f"block #{position}: {exc}") from exc
-    raise BlockTypeError(
-        f"block #{position}: expected a Block, a str or a mapping, got {type(item).__name__}"
-    )
+    raise BlockTypeError(f"block #{position}: expected a Block, a str or a mapping, got {type(item).__name__}")
 
 
 def normalize_blocks(items: Iterable[BlockLike]) -> tuple[list[Block], list[str]]:
@@ -150,8 +148,6 @@ def normalize_blocks(items: Iterable[BlockLike]) -> tuple[list[Block], list[str]
             if rank < previous[0]:
                 seen[block.id] = (rank, position, block)
         else:
-            raise DuplicateBlockError(
-                f"block #{position}: id {block.id!r} was already given with a different text"
-            )
+            raise DuplicateBlockError(f"block #{position}: id {block.id!r} was already given with a different text")
     entries = sorted(seen.values(), key=lambda entry: entry[:2]) if needs_sort else seen.values()
     return [block for _, _, block in entries], merged

@@ -1,7 +1,7 @@
 """``contextpilot-integrations``: measure context reuse on a trace, no GPU needed.
 
-    contextpilot-integrations demo                      # bundled MultiHop-RAG sample
-    contextpilot-integrations simulate --trace my.jsonl # your own trace
+contextpilot-integrations demo                      # bundled MultiHop-RAG sample
+contextpilot-integrations simulate --trace my.jsonl # your own trace
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .engine_replay import EngineRun
 from .replay import (
     ReplayResult,
     TraceError,
@@ -55,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
         if name == "simulate":
             command.add_argument("--trace", required=True, type=Path, help="JSON lines: id, blocks, tokens?, ...")
             command.add_argument("--plan-out", type=Path, help="write the offline plan of the default strategy")
+        else:
+            command.add_argument(
+                "--engine", metavar="URL", help="also send the workload to this OpenAI-compatible server"
+            )
+            command.add_argument("--engine-requests", type=int, default=200, help="queries sent to the server (200)")
+            command.add_argument(
+                "--engine-block-chars", type=int, default=None, help="cut each chunk to this many characters"
+            )
+            command.add_argument("--model", default="default", help="the model name the server expects")
         command.add_argument(
             "--capacity",
             type=_capacities,
@@ -107,13 +117,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot_path = None if args.no_plot else _plot(results, bound, args.out, title)
     if args.command == "simulate" and args.plan_out:
         args.plan_out.write_text("".join(json.dumps(row) + "\n" for row in plan), encoding="utf-8")
+    engine = _run_engine(args) if args.command == "demo" and args.engine else None
+    if engine is not None and not isinstance(engine, tuple):
+        return engine
     if args.json:
-        print(json.dumps(_as_json(trace, results, bound, savings, plot_path), indent=2))
+        report = _as_json(trace, results, bound, savings, plot_path)
+        if engine:
+            report["engine"] = [_engine_json(run) for run in engine]
+        print(json.dumps(report, indent=2))
     else:
         _print_table(title, trace, working_set, results, bound, savings, plot_path)
         if args.command == "simulate" and args.plan_out:
             print(f"plan (default strategy, offline, send order): {args.plan_out}")
+        if engine:
+            _print_engine(args.engine, engine)
     return 0
+
+
+def _run_engine(args: argparse.Namespace) -> tuple[EngineRun, EngineRun] | int:
+    """Send the demo workload to the server: (baseline, ContextPilot), or an exit status."""
+    from .backends.openai_compat import EngineError
+    from .datasets import load_multihop_rag
+    from .engine_replay import compare_on_engine
+
+    data = load_multihop_rag()
+    requests = []
+    for query in data.queries[: args.engine_requests]:
+        blocks = data.blocks_for(query)
+        if args.engine_block_chars:
+            blocks = [b.model_copy(update={"text": b.text[: args.engine_block_chars]}) for b in blocks]
+        requests.append((blocks, query.text))
+    try:
+        return compare_on_engine(args.engine, requests, model=args.model, progress=not (args.quiet or args.json))
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+
+
+def _engine_json(run: EngineRun) -> dict[str, object]:
+    return {
+        "name": run.name,
+        "requests": len(run.ttft_s),
+        "mean_ttft_s": run.mean_ttft_s,
+        "p90_ttft_s": run.p90_ttft_s,
+        "prompt_tokens": run.prompt_tokens,
+        "cached_tokens": run.cached_tokens,
+    }
+
+
+def _print_engine(url: str, runs: tuple[EngineRun, EngineRun]) -> None:
+    baseline, ours = runs
+    print(f"\nserver {url}: {len(baseline.ttft_s)} requests, server-reported numbers")
+    print(f"{'':<18}{'mean TTFT':>12}{'p90 TTFT':>12}{'cached / prompt tokens':>28}")
+    for run in runs:
+        tokens = f"{run.cached_tokens:,} / {run.prompt_tokens:,} ({run.cached_ratio:.0%})"
+        print(f"{run.name:<18}{run.mean_ttft_s * 1e3:>10.0f}ms{run.p90_ttft_s * 1e3:>10.0f}ms{tokens:>28}")
+    if ours.mean_ttft_s:
+        print(f"mean TTFT {baseline.mean_ttft_s / ours.mean_ttft_s:.2f}x lower with ContextPilot")
 
 
 def _baseline(results: list[tuple[float, ReplayResult]], mode: str, fraction: float) -> float | None:
@@ -135,7 +195,10 @@ def _print_table(
     blocks = sum(len(r.blocks) for r in trace)
     print(f"\n{title}: {len(trace):,} requests, {blocks:,} blocks, {working_set:,} distinct block tokens")
     print(f"reuse bound (tokens of blocks an earlier request already sent): {bound:.1%}\n")
-    header = f"{'mode':<8}{'capacity':>9}  {'strategy':<16}{'hit ratio':>10}{'vs retrieval':>14}{'of bound':>10}{'pilot time':>13}"
+    header = (
+        f"{'mode':<8}{'capacity':>9}  {'strategy':<16}{'hit ratio':>10}{'vs retrieval':>14}"
+        f"{'of bound':>10}{'pilot time':>13}"
+    )
     print(header)
     print("-" * len(header))
     previous = None
@@ -146,7 +209,8 @@ def _print_table(
         per = r.pilot_seconds / max(r.requests, 1) * 1e6
         timing = f"{r.pilot_seconds:.2f} s" if r.mode == "offline" else f"{per:.0f} us/req"
         lead = f"{r.mode:<8}{fraction:>9.0%}" if key != previous else " " * 17
-        print(f"{lead}  {LABELS[r.strategy]:<16}{r.hit_ratio:>10.1%}{versus:>14}{r.hit_ratio / bound if bound else 0:>10.1%}{timing:>13}")
+        of_bound = r.hit_ratio / bound if bound else 0.0
+        print(f"{lead}  {LABELS[r.strategy]:<16}{r.hit_ratio:>10.1%}{versus:>14}{of_bound:>10.1%}{timing:>13}")
         previous = key
     if savings.turns:  # type: ignore[attr-defined]
         s = savings

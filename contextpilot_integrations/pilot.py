@@ -50,6 +50,15 @@ class PilotStats(BaseModel):
     predicted_cached_blocks: int
     predicted_cached_tokens: int
     requests_evicted: int
+    engine_requests: int = 0
+    """Requests whose usage the engine reported (see :meth:`ContextPilot.record_usage`)."""
+    engine_prompt_tokens: int = 0
+    engine_cached_tokens: int = 0
+
+    @property
+    def engine_hit_ratio(self) -> float:
+        """Cached prompt tokens over prompt tokens, as the engine reported them."""
+        return self.engine_cached_tokens / self.engine_prompt_tokens if self.engine_prompt_tokens else 0.0
 
     @property
     def predicted_hit_ratio(self) -> float:
@@ -81,6 +90,9 @@ class _Counters:
     cached_blocks: int = 0
     cached_tokens: int = 0
     evicted: int = 0
+    engine_requests: int = 0
+    engine_prompt_tokens: int = 0
+    engine_cached_tokens: int = 0
 
 
 class ContextPilot:
@@ -120,6 +132,7 @@ class ContextPilot:
         self._strategy: Strategy = make_strategy(strategy, self._trie, **strategy_options)
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
         self._live: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
+        self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
@@ -157,9 +170,7 @@ class ContextPilot:
         normalized, merged = normalize_blocks(blocks)
         _check_query(query)
         with self._lock:
-            return self._prepare_locked(
-                normalized, merged, query, conversation_id, kept_turns, request_id, None
-            )
+            return self._prepare_locked(normalized, merged, query, conversation_id, kept_turns, request_id, None)
 
     async def aprepare(
         self,
@@ -265,10 +276,7 @@ class ContextPilot:
             ids = [self._new_request_id(item.request_id) for item in items]
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
-            batch = [
-                (rid, [block.id for block in blocks])
-                for rid, (blocks, _) in zip(ids, normalized, strict=True)
-            ]
+            batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
             orders, schedule = self._strategy.plan(batch)
             schedule = _keep_turn_order(schedule, [item.conversation_id for item in items])
             prepared = []
@@ -333,6 +341,28 @@ class ContextPilot:
             self._trie.clear()
             self._strategy.reset()
 
+    def record_usage(self, prepared: PreparedRequest, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """Add the engine's own token accounting for a served request to the statistics."""
+        with self._lock:
+            counters = self._counters
+            counters.engine_requests += 1
+            counters.engine_prompt_tokens += prompt_tokens or 0
+            counters.engine_cached_tokens += cached_tokens or 0
+            if prepared.conversation_id is not None:
+                usage = self._usage.setdefault(prepared.conversation_id, [0, 0, 0])
+                self._usage.move_to_end(prepared.conversation_id)
+                usage[0] += 1
+                usage[1] += prompt_tokens or 0
+                usage[2] += cached_tokens or 0
+                while len(self._usage) > self._conversations.max_conversations:
+                    self._usage.popitem(last=False)
+
+    def conversation_usage(self, conversation_id: str) -> tuple[int, int, int]:
+        """(requests, prompt tokens, cached tokens) the engine reported for a conversation."""
+        with self._lock:
+            requests, prompt, cached = self._usage.get(conversation_id, (0, 0, 0))
+            return requests, prompt, cached
+
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's seen blocks; returns whether it was tracked."""
         with self._lock:
@@ -360,6 +390,9 @@ class ContextPilot:
                 predicted_cached_blocks=c.cached_blocks,
                 predicted_cached_tokens=c.cached_tokens,
                 requests_evicted=c.evicted,
+                engine_requests=c.engine_requests,
+                engine_prompt_tokens=c.engine_prompt_tokens,
+                engine_cached_tokens=c.engine_cached_tokens,
             )
 
     def check(self) -> None:
@@ -425,6 +458,4 @@ def _keep_turn_order(schedule: list[int], conversations: Sequence[str | None]) -
     if not by_conversation:
         return schedule
     queues = {cid: iter(indices) for cid, indices in by_conversation.items()}
-    return [
-        index if conversations[index] is None else next(queues[conversations[index]]) for index in schedule
-    ]  # type: ignore[index]
+    return [index if conversations[index] is None else next(queues[conversations[index]]) for index in schedule]  # type: ignore[index]

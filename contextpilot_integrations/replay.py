@@ -227,7 +227,9 @@ def replay(
 
     if mode == "offline":
         batch = [
-            BatchRequest(blocks=blocks.blocks(r), query=r.question or "", conversation_id=r.conversation, request_id=r.id)
+            BatchRequest(
+                blocks=blocks.blocks(r), query=r.question or "", conversation_id=r.conversation, request_id=r.id
+            )
             for r in trace
         ]
         start = time.perf_counter()

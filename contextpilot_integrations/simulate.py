@@ -182,7 +182,7 @@ class RadixCacheSimulator:
 def _common(run: Sequence[BlockSpec], keys: Sequence[Hashable], start: int) -> int:
     """How many blocks of ``run`` equal ``keys[start:]``, from the start."""
     count = 0
-    for (key, _), other in zip(run, itertools.islice(keys, start, None)):
+    for (key, _), other in zip(run, itertools.islice(keys, start, None), strict=False):
         if key != other:
             break
         count += 1

@@ -92,7 +92,16 @@ def import_sglang() -> types.SimpleNamespace:
         if os.environ.get("CONTEXTPILOT_REQUIRE_SGLANG"):
             raise
         pytest.skip(f"sglang is not installed ({exc}); ./run.sh test installs it")
-    return types.SimpleNamespace(**locals())
+    return types.SimpleNamespace(
+        torch=torch,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        EvictParams=EvictParams,
+        InsertParams=InsertParams,
+        MatchPrefixParams=MatchPrefixParams,
+        CacheInitParams=CacheInitParams,
+        RadixCache=RadixCache,
+        RadixKey=RadixKey,
+    )
 
 
 class SGLangRadix:

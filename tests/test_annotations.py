@@ -10,8 +10,7 @@ from contextpilot_integrations.annotations import render_order, render_reference
 def test_paper_templates() -> None:
     blocks = [Block(id=i, text=f"text {i}") for i in ("2", "1", "4")]
     assert render_order(blocks) == (
-        "Please read the context in the following priority order: [Doc_2] > [Doc_1] > [Doc_4] "
-        "and answer the question."
+        "Please read the context in the following priority order: [Doc_2] > [Doc_1] > [Doc_4] and answer the question."
     )
     assert render_reference(blocks[2]) == "Please refer to [Doc_4] in the previous conversation."
     assert render_block(blocks[0]) == "[Doc_2] text 2"

@@ -59,9 +59,7 @@ def test_explicit_ranks_define_the_order() -> None:
 
 
 def test_identical_duplicates_are_merged_and_reported_conflicts_raise() -> None:
-    blocks, merged = normalize_blocks(
-        [{"id": "a", "text": "A"}, {"id": "b", "text": "B"}, {"id": "a", "text": "A"}]
-    )
+    blocks, merged = normalize_blocks([{"id": "a", "text": "A"}, {"id": "b", "text": "B"}, {"id": "a", "text": "A"}])
     assert [b.id for b in blocks] == ["a", "b"] and merged == ["a"]
     with pytest.raises(DuplicateBlockError, match=r"block #1.*different text"):
         normalize_blocks([{"id": "a", "text": "A"}, {"id": "a", "text": "other"}])

@@ -20,10 +20,14 @@ def test_demo_prints_a_table_and_writes_a_plot(tmp_path: Path, capsys: pytest.Ca
 
 def test_simulate_json_and_plan_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
-    lines = [{"id": f"r{i}", "blocks": [f"b{j}" for j in range(i % 5, i % 5 + 4)], "tokens": [50] * 4} for i in range(40)]
+    lines = [
+        {"id": f"r{i}", "blocks": [f"b{j}" for j in range(i % 5, i % 5 + 4)], "tokens": [50] * 4} for i in range(40)
+    ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     plan = tmp_path / "plan.jsonl"
-    code = main(["simulate", "--trace", str(trace), "--json", "--plan-out", str(plan), "--no-plot", "--capacity", "0.5,1"])
+    code = main(
+        ["simulate", "--trace", str(trace), "--json", "--plan-out", str(plan), "--no-plot", "--capacity", "0.5,1"]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 40 and len(report["results"]) == 2 * 2 * 3

@@ -22,9 +22,7 @@ from contextpilot_integrations import (
 )
 
 ALL = sorted(STRATEGIES)
-retrievals = st.lists(
-    st.lists(st.integers(0, 25), min_size=1, max_size=8, unique=True), min_size=1, max_size=20
-)
+retrievals = st.lists(st.lists(st.integers(0, 25), min_size=1, max_size=8, unique=True), min_size=1, max_size=20)
 
 
 def as_blocks(ids: list[int]) -> list[Block]:
@@ -83,12 +81,7 @@ def test_paper_section_6_through_the_pilot() -> None:
     ]
     assert parse_order_annotation(second.order_annotation) == ["Doc_1", "Doc_5", "Doc_2"]
     text = second.render()
-    assert (
-        text.index("[Doc_5]")
-        < text.index("Please refer")
-        < text.index("priority order")
-        < text.index("turn 1")
-    )
+    assert text.index("[Doc_5]") < text.index("Please refer") < text.index("priority order") < text.index("turn 1")
     # a dropped turn means the block is sent again: nothing is lost
     third = pilot.prepare(as_blocks([1, 5]), "turn 2", conversation_id="c", kept_turns=[1])
     assert [b.id for b in third.blocks] == ["1"] and [r.block.id for r in third.references] == ["5"]

@@ -139,9 +139,7 @@ class ClusterTree:
         return list(node.blocks), search_path, node.path
 
     # ---- Alg. 4: a batch -------------------------------------------------------------
-    def build(
-        self, batch: Sequence[tuple[str, Sequence[Hashable]]]
-    ) -> list[tuple[list[Hashable], tuple[int, ...]]]:
+    def build(self, batch: Sequence[tuple[str, Sequence[Hashable]]]) -> list[tuple[list[Hashable], tuple[int, ...]]]:
         """Cluster a batch into the tree; returns each request's order and leaf path."""
         for request_id, _ in batch:
             if request_id in self._node_of:
@@ -196,9 +194,7 @@ class ClusterTree:
             if keyset == parent.keyset:
                 node = parent  # identical block sets collapse into one node
             else:
-                own = tuple(
-                    k for k in leaves[representative[cluster]] if k not in parent.keyset and k in keyset
-                )
+                own = tuple(k for k in leaves[representative[cluster]] if k not in parent.keyset and k in keyset)
                 node = parent.add_child(parent.blocks + own)
             pair = children[cluster]
             if pair is None:

@@ -100,9 +100,7 @@ class TrieStrategy(Strategy):
             paths = [path for _, path in built]
             return [list(order) for order, _ in built], sorted(range(len(batch)), key=paths.__getitem__)
         greedy = greedy_plan([keys for _, keys in batch])
-        orders = [
-            [keys[i] for i in positions] for (_, keys), positions in zip(batch, greedy.orders, strict=True)
-        ]
+        orders = [[keys[i] for i in positions] for (_, keys), positions in zip(batch, greedy.orders, strict=True)]
         return orders, greedy.schedule
 
 

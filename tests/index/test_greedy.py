@@ -5,9 +5,7 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations.index import PrefixTrie, greedy_plan
 
-batches = st.lists(
-    st.lists(st.integers(0, 30), min_size=0, max_size=10, unique=True), min_size=0, max_size=40
-)
+batches = st.lists(st.lists(st.integers(0, 30), min_size=0, max_size=10, unique=True), min_size=0, max_size=40)
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,0 +1,134 @@
+"""The client against a real llama-server (prefix caching on CPU) and a misbehaving server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.backends import EngineHTTPError, EngineUnavailable, OpenAICompatClient
+from tests.engine_support import LlamaServer, free_port, start_llama_server
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    server = start_llama_server(tmp_path_factory.mktemp("llama"))
+    yield server
+    server.stop()
+
+
+def docs(*names: str, size: int = 700) -> list[Block]:
+    return [Block(id=name, text=(f"{name} is a document about topic {name}. " * 40)[:size]) for name in names]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_reordered_prefix_is_served_from_cache(llama: LlamaServer, stream: bool) -> None:
+    pilot = ContextPilot()
+    client = OpenAICompatClient(llama.url, pilot)
+    first = pilot.prepare(docs("a", "b", "c"), "What is a?")
+    cold = client.chat(first, max_tokens=2, stream=stream)
+    # the same documents in another retrieval order: ContextPilot sends them in the same order
+    second = pilot.prepare(docs("c", "a", "b", "d"), "What is d?")
+    assert [b.id for b in second.blocks][:3] == [b.id for b in first.blocks]
+    warm = client.chat(second, max_tokens=2, stream=stream)
+    assert cold.prompt_tokens and warm.prompt_tokens and warm.cached_tokens
+    assert warm.cached_tokens > 3 * 600  # the three shared blocks, about one token per character
+    stats = pilot.stats()
+    assert stats.engine_requests == 2 and stats.engine_cached_tokens >= warm.cached_tokens
+    assert 0 < warm.ttft_s <= warm.total_s
+
+
+def test_async_and_conversation_usage(llama: LlamaServer) -> None:
+    pilot = ContextPilot()
+    client = OpenAICompatClient(llama.url, pilot)
+
+    async def run() -> list[int | None]:
+        cached = []
+        for turn, query in enumerate(["first?", "second?"]):
+            prepared = await pilot.aprepare(docs("x", "y"), query, conversation_id="conv")
+            assert prepared.turn == turn
+            result = await client.achat(prepared, max_tokens=2)
+            cached.append(result.cached_tokens)
+        return cached
+
+    asyncio.run(run())
+    requests, prompt, cached = pilot.conversation_usage("conv")
+    assert requests == 2 and prompt > 0 and cached >= 0
+
+
+def test_request_id_and_session_id_are_sent() -> None:
+    pilot = ContextPilot()
+    prepared = pilot.prepare(docs("a"), "q")
+    body = OpenAICompatClient("http://127.0.0.1:1", pilot, extra_body={"top_k": 1}).body(prepared, max_tokens=3)
+    assert body["rid"] == body["session_id"] == prepared.request_id
+    assert body["stream_options"] == {"include_usage": True} and body["top_k"] == 1 and body["max_tokens"] == 3
+
+
+def test_unreachable_server_names_it_and_forgets_the_request() -> None:
+    pilot = ContextPilot()
+    prepared = pilot.prepare(docs("a", "b"), "q")
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineUnavailable, match=f"127.0.0.1:{url.rsplit(':', 1)[1]}.*unreachable"):
+        OpenAICompatClient(url, pilot, timeout=2).chat(prepared)
+    assert pilot.stats().live_requests == 0  # never reached the engine: not predicted as cached
+
+
+class _Failing(BaseHTTPRequestHandler):
+    status = 503
+    body = b'{"error": "overloaded"}'
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def failing_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_http_errors_name_the_server_and_forget_the_request(failing_server: str, stream: bool) -> None:
+    pilot = ContextPilot()
+    prepared = pilot.prepare(docs("a"), "q")
+    with pytest.raises(EngineHTTPError, match="HTTP 503.*overloaded") as info:
+        OpenAICompatClient(failing_server, pilot).chat(prepared, stream=stream)
+    assert info.value.status_code == 503 and failing_server in str(info.value)
+    assert pilot.stats().live_requests == 0
+
+
+def test_async_http_error(failing_server: str) -> None:
+    pilot = ContextPilot()
+    prepared = pilot.prepare(docs("a"), "q")
+    with pytest.raises(EngineHTTPError):
+        asyncio.run(OpenAICompatClient(failing_server, pilot).achat(prepared))
+    assert pilot.stats().live_requests == 0
+
+
+def test_demo_against_the_engine(llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from contextpilot_integrations.cli import main
+
+    args = ["demo", "--engine", llama.url, "--engine-requests", "12", "--engine-block-chars", "250"]
+    args += ["--modes", "offline", "--capacity", "0.25", "--no-plot", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    baseline, ours = report["engine"]
+    assert baseline["requests"] == ours["requests"] == 12
+    assert ours["cached_tokens"] > baseline["cached_tokens"]
