@@ -83,7 +83,7 @@ class _Failing(BaseHTTPRequestHandler):
     status = 503
     body = b'{"error": "overloaded"}'
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
@@ -108,7 +108,7 @@ def failing_server() -> Iterator[str]:
 def test_http_errors_name_the_server_and_forget_the_request(failing_server: str, stream: bool) -> None:
     pilot = ContextPilot()
     prepared = pilot.prepare(docs("a"), "q")
-    with pytest.raises(EngineHTTPError, match="HTTP 503.*overloaded") as info:
+    with pytest.raises(EngineHTTPError, match=r"HTTP 503.*overloaded") as info:
         OpenAICompatClient(failing_server, pilot).chat(prepared, stream=stream)
     assert info.value.status_code == 503 and failing_server in str(info.value)
     assert pilot.stats().live_requests == 0
