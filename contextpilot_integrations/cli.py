@@ -48,6 +48,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Measure how much prefix-cache reuse ContextPilot gets on a retrieval trace.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    listen = commands.add_parser(
+        "listen",
+        help="run the eviction callback server (for checking an SGLang setup)",
+        description="Run the eviction callback server with its own index and print what arrives.",
+    )
+    listen.add_argument("--host", default="127.0.0.1", help="interface (127.0.0.1; others need --token)")
+    listen.add_argument("--port", type=int, default=8765)
+    listen.add_argument("--token", help="shared secret the publisher must send (CONTEXTPILOT_EVENTS_TOKEN)")
+    listen.add_argument("--page-size", type=int, help="the engine's --page-size, if known")
+    listen.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     for name, help_text in (
         ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15)"),
         ("simulate", "run your own JSON-lines trace"),
@@ -82,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "listen":
+        return _listen(args)
     try:
         if args.command == "demo":
             trace = multihop_trace()
@@ -131,6 +143,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"plan (default strategy, offline, send order): {args.plan_out}")
         if engine:
             _print_engine(args.engine, engine)
+    return 0
+
+
+def _listen(args: argparse.Namespace) -> int:
+    import time
+
+    from .pilot import ContextPilot
+
+    try:
+        listener = ContextPilot().start_eviction_listener(
+            args.host, args.port, token=args.token, page_size=args.page_size
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = json.dumps({"publisher": "contextpilot_http", "endpoint": listener.kv_events_url})
+    print(f"listening on {listener.url} (GET /health, GET /stats, POST /kv-events, POST /evict)")
+    print(f"start SGLang with:  --enable-cache-report --kv-events-config '{config}'", flush=True)
+    deadline = time.monotonic() + args.seconds if args.seconds else None
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stats = listener.sink.stats()
+        listener.stop()
+    print(f"received {stats.batches} batches, {stats.events} events, {stats.sequence_gaps} gaps")
     return 0
 
 

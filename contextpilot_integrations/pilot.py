@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
@@ -29,6 +29,9 @@ from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, make_reference
+
+if TYPE_CHECKING:
+    from .backends.events import EvictionListener
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -133,6 +136,7 @@ class ContextPilot:
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
         self._live: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
         self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
+        self._orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
@@ -227,6 +231,7 @@ class ContextPilot:
             cached_blocks = self._trie.insert(rid, order)
             cached_tokens = sum([block.token_count for block in sent[:cached_blocks]]) if cached_blocks else 0
             self._live[rid] = None
+            self._orders[rid] = tuple(order)
             self._enforce_bound()
         counters = self._counters
         counters.prepared += 1
@@ -313,6 +318,7 @@ class ContextPilot:
         with self._lock:
             evicted = 0
             for rid in request_ids:
+                self._orders.pop(rid, None)
                 if rid in self._live:
                     del self._live[rid]
                     self._forget(rid)
@@ -323,15 +329,46 @@ class ContextPilot:
     def truncate(self, request_id: str, cached_blocks: int) -> bool:
         """The engine now holds only the first ``cached_blocks`` blocks of this request.
 
-        Partial evictions keep the rest of the request's prefix predictable; 0 evicts it.
-        Returns whether the request was live.
+        Partial evictions keep the rest of the request's prefix predictable; 0 drops it
+        (its order is remembered, so :meth:`restore` can bring it back). Returns whether
+        the request was live.
         """
         if cached_blocks < 0:
             raise ValueError("cached_blocks must be >= 0")
-        if cached_blocks == 0:
-            return self.evict([request_id]) == 1
         with self._lock:
+            if request_id not in self._live:
+                return False
+            if cached_blocks == 0:
+                del self._live[request_id]
+                self._trie.evict(request_id)
+                self._strategy.forget(request_id)
+                self._counters.evicted += 1
+                return True
             return self._trie.truncate(request_id, cached_blocks)
+
+    def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
+        """The engine holds (again) the first ``cached_blocks`` blocks of this request.
+
+        Eviction events can overtake the store events of the same blocks; when the engine
+        confirms a block is back, the prediction comes back too. ``None`` means all of
+        them. Returns whether the request's order was known.
+        """
+        with self._lock:
+            order = self._orders.get(request_id)
+            if order is None:
+                return False
+            keep = len(order) if cached_blocks is None else min(cached_blocks, len(order))
+            if request_id in self._live:
+                if keep <= len(self._trie.order_of(request_id)):
+                    return True
+                self._trie.evict(request_id)
+            elif keep == 0:
+                return True
+            else:
+                self._live[request_id] = None
+            self._trie.insert(request_id, order[:keep])
+            self._enforce_bound()
+            return True
 
     def reset(self) -> None:
         """The engine holds nothing any more (restart, ``/flush_cache``)."""
@@ -367,6 +404,29 @@ class ContextPilot:
         """Forget a conversation's seen blocks; returns whether it was tracked."""
         with self._lock:
             return self._conversations.end(conversation_id)
+
+    def start_eviction_listener(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        max_body_bytes: int = 8 * 1024 * 1024,
+        page_size: int | None = None,
+    ) -> EvictionListener:
+        """Start the HTTP callback server that applies the engine's evictions to this pilot.
+
+        Returns the running :class:`~contextpilot_integrations.backends.events.EvictionListener`
+        (a context manager; ``.stop()`` ends it). Point SGLang at ``listener.kv_events_url``.
+        """
+        from .backends.events import EvictionListener
+
+        return EvictionListener(self, host, port, token=token, max_body_bytes=max_body_bytes, page_size=page_size)
+
+    def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
+        """Leading blocks of this send order the index predicts the engine holds."""
+        with self._lock:
+            return self._trie.match_length(block_ids)
 
     def live_request_ids(self) -> list[str]:
         """Ids of the requests the index holds, oldest first."""
@@ -410,7 +470,10 @@ class ContextPilot:
         while len(self._live) > self.max_live_requests:
             oldest, _ = self._live.popitem(last=False)
             self._forget(oldest)
+            self._orders.pop(oldest, None)
             self._counters.evicted += 1
+        while len(self._orders) > self.max_live_requests:
+            self._orders.popitem(last=False)
 
 
 @contextlib.contextmanager

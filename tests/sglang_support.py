@@ -147,3 +147,69 @@ class SGLangRadix:
         assert result.prefix_len == hit
         cache.unlock(lock)
         return hit
+
+
+def build_cache(kind: str, capacity: int) -> tuple[Any, Any]:
+    """A real SGLang cache with KV events on: ``radix`` (legacy ``RadixCache``) or
+    ``unified-python`` / ``unified-rust`` (the server default, ``UnifiedRadixCache``,
+    with its Python or Rust tree core). Returns (cache, allocator)."""
+    sgl = import_sglang()
+    torch = sgl.torch
+    if kind == "radix":
+        engine = SGLangRadix(capacity)
+        return engine.cache, engine.allocator
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
+    req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(
+        size=capacity,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    allocator = TokenToKVPoolAllocator(
+        size=capacity, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=1,
+        tree_components=(ComponentType.FULL,),
+        enable_kv_cache_events=True,
+        tree_core_backend=kind.split("-", 1)[1],
+    )
+    return UnifiedRadixCache(params=params), allocator
+
+
+def serve_tokens(cache: Any, allocator: Any, tokens: list[int]) -> int:
+    """Serve one request on any SGLang cache: match, lock, evict, allocate, insert, unlock."""
+    sgl = import_sglang()
+    key = sgl.RadixKey(array("q", tokens))
+    match = cache.match_prefix(sgl.MatchPrefixParams(key=key))
+    lock = cache.lock(match.last_device_node)
+    if len(tokens) > allocator.available_size():
+        cache.evict(sgl.EvictParams(num_tokens=len(tokens) - allocator.available_size()))
+    fresh = allocator.alloc(len(tokens))
+    assert fresh is not None, "the request does not fit the cache"
+    result = cache.insert(sgl.InsertParams(key=sgl.RadixKey(array("q", tokens)), value=fresh))
+    if isinstance(cache, sgl.RadixCache):
+        allocator.free(fresh[: result.prefix_len])  # already cached: give the copies back
+    # (UnifiedRadixCache frees the duplicate slots itself, through its cache actions)
+    cache.unlock(lock)
+    return int(match.device_prefix_len)
+
+
+def match_tokens(cache: Any, tokens: list[int]) -> int:
+    sgl = import_sglang()
+    return int(cache.match_prefix(sgl.MatchPrefixParams(key=sgl.RadixKey(array("q", tokens)))).device_prefix_len)

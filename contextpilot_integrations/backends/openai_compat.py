@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from ..errors import ContextPilotError
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
+
+if TYPE_CHECKING:
+    from .events import EvictionListener
 
 __all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient"]
 
@@ -54,6 +57,17 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
 
 
+_Parsed = tuple[str, dict[str, Any], float, list[int] | None]  # text, usage, TTFT, prompt token ids
+
+
+def _input_ids(payload: dict[str, Any]) -> list[int] | None:
+    """SGLang's prompt token ids (``sglext.input_ids``), when it was asked for them."""
+    ids = (payload.get("sglext") or {}).get("input_ids")
+    if ids and isinstance(ids[0], list):  # one list per choice
+        ids = ids[0]
+    return [int(i) for i in ids] if ids else None
+
+
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
     details = usage.get("prompt_tokens_details") or {}
     value = details.get("cached_tokens")
@@ -73,6 +87,11 @@ class OpenAICompatClient:
         id_fields: body fields that carry the request id (SGLang: ``rid`` and
             ``session_id``; vLLM: ``request_id``).
         extra_body: merged into every request body.
+        listener: an :class:`~contextpilot_integrations.backends.events.EvictionListener`;
+            the client then asks SGLang for the prompt's token ids
+            (``return_input_ids_in_sglext``) and registers them, so KV events can be
+            mapped to this request. Without block boundaries in tokens, a lost block drops
+            the whole request from the index (conservative).
     """
 
     def __init__(
@@ -85,6 +104,7 @@ class OpenAICompatClient:
         timeout: float = 60.0,
         id_fields: tuple[str, ...] = ("rid", "session_id"),
         extra_body: dict[str, Any] | None = None,
+        listener: EvictionListener | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.endpoint = self.base_url + (
@@ -96,6 +116,9 @@ class OpenAICompatClient:
         self.id_fields = id_fields
         self.extra_body = dict(extra_body or {})
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.listener = listener
+        if listener is not None:
+            self.extra_body.setdefault("return_input_ids_in_sglext", True)
 
     # ---- request body ------------------------------------------------------------------
     def body(
@@ -200,17 +223,19 @@ class OpenAICompatClient:
                 f"{self.endpoint} answered HTTP {response.status_code}: {snippet}", response.status_code
             )
 
-    def _read_whole(self, response: httpx.Response, start: float) -> tuple[str, dict[str, Any], float]:
+    def _read_whole(self, response: httpx.Response, start: float) -> _Parsed:
         try:
             payload = response.json()
         except json.JSONDecodeError as exc:
             raise EngineError(f"{self.endpoint} answered with malformed JSON: {response.text[:100]!r}") from exc
         choices = payload.get("choices") or [{}]
         text = (choices[0].get("message") or {}).get("content") or ""
-        return text, payload.get("usage") or {}, time.perf_counter() - start
+        return text, payload.get("usage") or {}, time.perf_counter() - start, _input_ids(payload)
 
-    def _finish(self, prepared: PreparedRequest, start: float, parsed: tuple[str, dict[str, Any], float]) -> ChatResult:
-        text, usage, ttft = parsed
+    def _finish(self, prepared: PreparedRequest, start: float, parsed: _Parsed) -> ChatResult:
+        text, usage, ttft, input_ids = parsed
+        if self.listener is not None and input_ids:
+            self.listener.sink.track(prepared.request_id, input_ids)
         result = ChatResult(
             request_id=prepared.request_id,
             text=text,
@@ -244,6 +269,7 @@ class _StreamParser:
         self.text: list[str] = []
         self.usage: dict[str, Any] = {}
         self.first: float | None = None
+        self.input_ids: list[int] | None = None
 
     def feed(self, line: str) -> bool:
         """Take one line; returns True at the end of the stream."""
@@ -263,8 +289,9 @@ class _StreamParser:
                 self.first = time.perf_counter()
             self.text.append(piece)
         self.usage = event.get("usage") or self.usage
+        self.input_ids = _input_ids(event) or self.input_ids
         return False
 
-    def result(self) -> tuple[str, dict[str, Any], float]:
+    def result(self) -> _Parsed:
         first = self.first if self.first is not None else time.perf_counter()
-        return "".join(self.text), self.usage, first - self.start
+        return "".join(self.text), self.usage, first - self.start, self.input_ids
