@@ -1,0 +1,149 @@
+"""Side by side with the published ``contextpilot`` 0.5.0 (a script, not a test).
+
+The upstream package is installed only in this benchmark's own throwaway virtual
+environment (under the system temp directory), never in ours, and only its public API is
+called, in a subprocess. Every plan, ours or upstream, is then served by the same
+block-granular radix-cache simulator on the bundled MultiHop-RAG trace. Upstream's online
+mode gets no eviction feedback: its library users never see request ids.
+
+Prints hit ratio and planning time per capacity for: retrieval order, upstream 0.5.0,
+our ``paper`` strategy and our default ``trie`` strategy, plus the reuse bound.
+
+Usage: python benchmarks/bench_upstream.py [--capacity 0.1,0.25,0.5,1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import venv
+from pathlib import Path
+
+from contextpilot_integrations.replay import (
+    TraceRequest,
+    multihop_trace,
+    replay,
+    reuse_bound,
+    working_set_tokens,
+)
+from contextpilot_integrations.simulate import RadixCacheSimulator
+
+UPSTREAM = "contextpilot==0.5.0"
+ENV_DIR = Path(tempfile.gettempdir()) / "contextpilot-upstream-0.5.0"
+
+RUNNER = r"""
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+from contextpilot.server.live_index import ContextPilot  # the public class
+
+contexts = json.load(open(sys.argv[1]))
+out = {}
+pilot = ContextPilot(use_gpu=False)
+start = time.perf_counter()
+reordered, order = pilot.reorder(contexts)
+out["offline_seconds"] = time.perf_counter() - start
+out["offline"] = [[i, list(map(str, ctx))] for ctx, i in zip(reordered, order)]
+
+pilot = ContextPilot(use_gpu=False)
+online, errors, spent = [], [], 0.0
+for i, ctx in enumerate(contexts):
+    start = time.perf_counter()
+    try:
+        got, _ = pilot.reorder(list(ctx))
+        online.append(list(map(str, got[0])))
+    except Exception as exc:  # upstream fails here; keep the retrieval order, count it
+        online.append(list(ctx))
+        errors.append(f"{i}: {type(exc).__name__}: {exc}"[:200])
+    spent += time.perf_counter() - start
+out["online"] = online
+out["online_seconds"] = spent
+out["online_errors"] = len(errors)
+out["first_error"] = errors[0] if errors else None
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def upstream_python() -> Path:
+    python = ENV_DIR / "bin" / "python"
+    if not python.exists():
+        print(f"creating the throwaway environment for {UPSTREAM} in {ENV_DIR} ...", flush=True)
+        venv.create(ENV_DIR, with_pip=True)
+        # its declared dependencies include servers and GPU tooling; the index needs only these
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", UPSTREAM], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "numpy", "scipy", "tqdm"], check=True)
+    return python
+
+
+def run_upstream(trace: list[TraceRequest]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        contexts = Path(tmp) / "contexts.json"
+        result = Path(tmp) / "result.json"
+        runner = Path(tmp) / "runner.py"
+        contexts.write_text(json.dumps([list(r.blocks) for r in trace]))
+        runner.write_text(RUNNER)
+        subprocess.run(
+            [str(upstream_python()), str(runner), str(contexts), str(result)],
+            check=True,
+            stdout=subprocess.DEVNULL,  # upstream prints banners
+        )
+        return json.loads(result.read_text())
+
+
+def simulate_orders(trace: list[TraceRequest], orders: list[list[str]], capacity: int) -> float:
+    tokens = {b: t for r in trace for b, t in zip(r.blocks, r.token_counts(), strict=True)}
+    cache = RadixCacheSimulator(capacity)
+    hit = total = 0
+    for n, order in enumerate(orders):
+        served = cache.request(str(n), [(b, tokens[b]) for b in order])
+        hit += served.hit_tokens
+        total += served.block_tokens
+    return hit / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", default="0.1,0.25,0.5,1")
+    args = parser.parse_args()
+    fractions = [float(x) for x in args.capacity.split(",")]
+    trace = multihop_trace()
+    upstream = run_upstream(trace)
+    offline_orders = [order for _, order in upstream["offline"]]
+    for _, order in upstream["offline"]:
+        assert len(order) == 15, "upstream dropped blocks"
+    working_set = working_set_tokens(trace)
+    bound = reuse_bound(trace)
+    print(f"\nMultiHop-RAG, {len(trace):,} requests; reuse bound {bound:.1%}; hit ratio (planning time)")
+    print(f"upstream online errors: {upstream['online_errors']} ({upstream['first_error']})")
+    header = f"{'mode':<8}{'capacity':>9}{'retrieval':>12}{'upstream 0.5.0':>22}{'paper (ours)':>22}{'trie (ours)':>22}"
+    print(header)
+    for mode in ("offline", "online"):
+        for fraction in fractions:
+            capacity = int(working_set * fraction)
+            ours = {s: replay(trace, s, mode, capacity) for s in ("retrieval", "paper", "trie")}
+            if mode == "offline":
+                up_hit = simulate_orders(trace, offline_orders, capacity)
+                up_time = f"{upstream['offline_seconds']:.2f}s"
+            else:
+                up_hit = simulate_orders(trace, upstream["online"], capacity)
+                up_time = f"{upstream['online_seconds'] / len(trace) * 1e3:.2f}ms/req"
+
+            def cell(result: object) -> str:
+                r = result  # ReplayResult
+                t = (
+                    f"{r.pilot_seconds:.2f}s"
+                    if mode == "offline"  # type: ignore[attr-defined]
+                    else f"{r.pilot_seconds / len(trace) * 1e3:.2f}ms/req"
+                )  # type: ignore[attr-defined]
+                return f"{r.hit_ratio:.1%} ({t})"  # type: ignore[attr-defined]
+
+            print(
+                f"{mode:<8}{fraction:>9.0%}{ours['retrieval'].hit_ratio:>12.1%}"
+                f"{f'{up_hit:.1%} ({up_time})':>22}{cell(ours['paper']):>22}{cell(ours['trie']):>22}"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
