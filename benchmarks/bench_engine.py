@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contextpilot_integrations import Block, ContextPilot  # noqa: E402
-from contextpilot_integrations.datasets import load_multihop_rag  # noqa: E402
-from contextpilot_integrations.engine_replay import compare_on_engine  # noqa: E402
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.datasets import load_multihop_rag
+from contextpilot_integrations.engine_replay import compare_on_engine
 
 
 def bench_ttft(args: argparse.Namespace) -> None:
