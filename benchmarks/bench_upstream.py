@@ -23,6 +23,7 @@ import venv
 from pathlib import Path
 
 from contextpilot_integrations.replay import (
+    ReplayResult,
     TraceRequest,
     multihop_trace,
     replay,
@@ -103,6 +104,13 @@ def simulate_orders(trace: list[TraceRequest], orders: list[list[str]], capacity
     return hit / total
 
 
+def cell(result: ReplayResult, requests: int) -> str:
+    """Hit ratio and the time ContextPilot spent (offline: total; online: per request)."""
+    if result.mode == "offline":
+        return f"{result.hit_ratio:.1%} ({result.pilot_seconds:.2f}s)"
+    return f"{result.hit_ratio:.1%} ({result.pilot_seconds / requests * 1e3:.2f}ms/req)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity", default="0.1,0.25,0.5,1")
@@ -130,18 +138,9 @@ def main() -> None:
                 up_hit = simulate_orders(trace, upstream["online"], capacity)
                 up_time = f"{upstream['online_seconds'] / len(trace) * 1e3:.2f}ms/req"
 
-            def cell(result: object) -> str:
-                r = result  # ReplayResult
-                t = (
-                    f"{r.pilot_seconds:.2f}s"
-                    if mode == "offline"  # type: ignore[attr-defined]
-                    else f"{r.pilot_seconds / len(trace) * 1e3:.2f}ms/req"
-                )  # type: ignore[attr-defined]
-                return f"{r.hit_ratio:.1%} ({t})"  # type: ignore[attr-defined]
-
             print(
                 f"{mode:<8}{fraction:>9.0%}{ours['retrieval'].hit_ratio:>12.1%}"
-                f"{f'{up_hit:.1%} ({up_time})':>22}{cell(ours['paper']):>22}{cell(ours['trie']):>22}"
+                f"{f'{up_hit:.1%} ({up_time})':>22}{cell(ours['paper'], len(trace)):>22}{cell(ours['trie'], len(trace)):>22}"
             )
 
 
