@@ -140,7 +140,8 @@ def main() -> None:
 
             print(
                 f"{mode:<8}{fraction:>9.0%}{ours['retrieval'].hit_ratio:>12.1%}"
-                f"{f'{up_hit:.1%} ({up_time})':>22}{cell(ours['paper'], len(trace)):>22}{cell(ours['trie'], len(trace)):>22}"
+                f"{f'{up_hit:.1%} ({up_time})':>22}"
+                f"{cell(ours['paper'], len(trace)):>22}{cell(ours['trie'], len(trace)):>22}"
             )
 
 
