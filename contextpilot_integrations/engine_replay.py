@@ -79,16 +79,12 @@ def compare_on_engine(
     The server's cache is flushed before each pass where it supports ``/flush_cache``.
     """
     baseline_pilot = ContextPilot("retrieval")
-    baseline_client = OpenAICompatClient(base_url, baseline_pilot, model=model, timeout=timeout)
     flush_engine_cache(base_url)
-    baseline = _send(
-        "retrieval order",
-        baseline_client,
-        [baseline_pilot.prepare(blocks, query) for blocks, query in requests],
-        progress,
-    )
+    with OpenAICompatClient(base_url, baseline_pilot, model=model, timeout=timeout) as client:
+        prepared = [baseline_pilot.prepare(blocks, query) for blocks, query in requests]
+        baseline = _send("retrieval order", client, prepared, progress)
     pilot = ContextPilot()
-    client = OpenAICompatClient(base_url, pilot, model=model, timeout=timeout)
     flush_engine_cache(base_url)
-    ours = _send("contextpilot", client, pilot.plan(list(requests)), progress)
+    with OpenAICompatClient(base_url, pilot, model=model, timeout=timeout) as client:
+        ours = _send("contextpilot", client, pilot.plan(list(requests)), progress)
     return baseline, ours

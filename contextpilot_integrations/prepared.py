@@ -62,7 +62,8 @@ class PreparedRequest:
     def reordered(self) -> bool:
         """Whether the send order differs from the retriever's."""
         sent = [b.id for b in self.blocks]
-        return sent != [b.id for b in self.ranking if b.id in set(sent)]
+        fresh = set(sent)
+        return sent != [b.id for b in self.ranking if b.id in fresh]
 
     @property
     def block_tokens(self) -> int:

@@ -119,6 +119,19 @@ class OpenAICompatClient:
         self.listener = listener
         if listener is not None:
             self.extra_body.setdefault("return_input_ids_in_sglext", True)
+        # one pooled connection for sync calls (thread-safe); async calls open their own,
+        # since an async client belongs to one event loop
+        self._http = httpx.Client(timeout=self.timeout, headers=self._headers)
+
+    def close(self) -> None:
+        """Close the pooled connection."""
+        self._http.close()
+
+    def __enter__(self) -> OpenAICompatClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- request body ------------------------------------------------------------------
     def body(
@@ -161,21 +174,21 @@ class OpenAICompatClient:
         """
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
+        http = self._http
         try:
-            with httpx.Client(timeout=self.timeout, headers=self._headers) as http:
-                if stream:
-                    with http.stream("POST", self.endpoint, json=body) as response:
-                        if response.status_code >= 400:
-                            response.read()
-                        self._check(response)
-                        parser = _StreamParser(self.endpoint, start)
-                        for line in response.iter_lines():
-                            if parser.feed(line):
-                                break
-                        return self._finish(prepared, start, parser.result())
-                response = http.post(self.endpoint, json=body)
-                self._check(response)
-                return self._finish(prepared, start, self._read_whole(response, start))
+            if stream:
+                with http.stream("POST", self.endpoint, json=body) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                    self._check(response)
+                    parser = _StreamParser(self.endpoint, start)
+                    for line in response.iter_lines():
+                        if parser.feed(line):
+                            break
+                    return self._finish(prepared, start, parser.result())
+            response = http.post(self.endpoint, json=body)
+            self._check(response)
+            return self._finish(prepared, start, self._read_whole(response, start))
         except httpx.TransportError as exc:
             raise self._unavailable(prepared, exc) from exc
         except EngineError:
