@@ -85,7 +85,7 @@ def bench_prepare(args: argparse.Namespace) -> None:
             if strategy == "paper" and live > 10_000:
                 print(f"{strategy:<12}{live:>10,}{'skipped: the paper search is O(children)':>40}")
                 continue
-            pilot = ContextPilot(strategy, max_live_requests=live)
+            pilot = ContextPilot(strategy)  # default bound (200k): probes do not evict
             fill = zipf_batch(live, vocabulary=max(2_000, live // 2), seed=live + 1)
             if strategy == "paper":
                 pilot.plan([(blocks, "warm-up") for blocks in fill])  # the paper builds offline

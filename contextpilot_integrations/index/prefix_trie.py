@@ -35,12 +35,11 @@ def _by_count_then_key(item: tuple[Any, _Node[Any]]) -> tuple[int, Any]:
 
 
 class PrefixTrie(Generic[K]):
-    """Live block orders by request id, with prefix matching and popularity counts."""
+    """Live block orders by request id, with prefix matching."""
 
-    def __init__(self, max_search_nodes: int = 8) -> None:
+    def __init__(self, max_search_nodes: int = 6) -> None:
         self.root: _Node[K] = _Node(None, None)
         self._terminal: dict[str, _Node[K]] = {}
-        self._popularity: dict[K, int] = {}
         self._nodes = 0
         self.max_search_nodes = max_search_nodes
 
@@ -55,10 +54,6 @@ class PrefixTrie(Generic[K]):
     def node_count(self) -> int:
         """Nodes below the root (one per cached block position)."""
         return self._nodes
-
-    def popularity(self, key: K) -> int:
-        """How many live requests carry this block."""
-        return self._popularity.get(key, 0)
 
     def request_ids(self) -> list[str]:
         return list(self._terminal)
@@ -92,18 +87,22 @@ class PrefixTrie(Generic[K]):
         """
         best: tuple[K, ...] = ()
         budget = self.max_search_nodes
-        stack: list[tuple[_Node[K], tuple[K, ...], frozenset[K]]] = [(self.root, (), frozenset(keys))]
+        # entries are expanded lazily: (node, path to its parent, parent's remaining keys, its key)
+        stack: list[tuple[_Node[K], tuple[K, ...], frozenset[K], K | None]] = [(self.root, (), frozenset(keys), None)]
         while stack and budget > 0:
-            node, path, remaining = stack.pop()
-            if len(path) + len(remaining) <= len(best):
-                continue  # cannot beat the best path found so far
+            node, path, remaining, key = stack.pop()
+            if key is not None:
+                if len(path) + len(remaining) <= len(best):
+                    continue  # cannot beat the best path found so far
+                path += (key,)
+                remaining = remaining - {key}
             budget -= 1
             while True:  # follow the path while it does not branch
                 children = node.children
                 if len(children) < len(remaining):
-                    found = [(key, child) for key, child in children.items() if key in remaining]
+                    found = [(k, child) for k, child in children.items() if k in remaining]
                 else:
-                    found = [(key, child) for key in remaining if (child := children.get(key)) is not None]
+                    found = [(k, child) for k in remaining if (child := children.get(k)) is not None]
                 if len(found) != 1:
                     break
                 key, node = found[0]
@@ -113,10 +112,9 @@ class PrefixTrie(Generic[K]):
                 best = path
                 if not remaining:
                     break
-            if not found:
-                continue
-            found.sort(key=_by_count_then_key)  # most-shared child explored first
-            stack.extend((child, (*path, key), remaining - {key}) for key, child in found)
+            if found:
+                found.sort(key=_by_count_then_key)  # most-shared child explored first
+                stack.extend((child, path, remaining, k) for k, child in found)
         return list(best)
 
     # ---- updates -----------------------------------------------------------------
@@ -127,9 +125,6 @@ class PrefixTrie(Generic[K]):
         node = self.root
         node.count += 1
         reused = 0
-        popularity = self._popularity
-        for key in order:
-            popularity[key] = popularity.get(key, 0) + 1
         for key in order:  # walk the shared part
             child = node.children.get(key)
             if child is None:
@@ -153,18 +148,11 @@ class PrefixTrie(Generic[K]):
         if node is None:
             return False
         node.request_ids.discard(request_id)  # type: ignore[union-attr]
-        popularity = self._popularity
         while node.parent is not None:
             parent = node.parent
             node.count -= 1
-            key = node.key
-            left = popularity[key] - 1  # type: ignore[index]
-            if left:
-                popularity[key] = left  # type: ignore[index]
-            else:
-                del popularity[key]  # type: ignore[arg-type]
             if node.count == 0:
-                del parent.children[key]  # type: ignore[arg-type]
+                del parent.children[node.key]  # type: ignore[arg-type]
                 node.parent = None
                 self._nodes -= 1
             node = parent
@@ -189,7 +177,6 @@ class PrefixTrie(Generic[K]):
     def clear(self) -> None:
         self.root = _Node(None, None)
         self._terminal.clear()
-        self._popularity.clear()
         self._nodes = 0
 
     # ---- introspection (tests, drawings) -------------------------------------------

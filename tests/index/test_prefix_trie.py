@@ -54,7 +54,7 @@ def test_insert_reports_reuse_and_truncate_shortens() -> None:
     trie: PrefixTrie[str] = PrefixTrie()
     assert trie.insert("a", ["1", "2", "3"]) == 0
     assert trie.insert("b", ["1", "2", "4"]) == 2
-    assert trie.popularity("1") == 2 and trie.node_count == 4
+    assert trie.node_count == 4
     assert trie.truncate("a", 1) and trie.order_of("a") == ["1"]
     assert trie.match_length(["1", "2", "3"]) == 2  # "b" still holds 1, 2
     trie.evict("b")
