@@ -99,6 +99,19 @@ class ConversationStore:
         conversation.last_used = self._clock()
         return Deduplication(turn, fresh, repeated)
 
+    def forget_turn(self, conversation_id: str, turn: int) -> int:
+        """A turn never reached the model: blocks it carried are no longer seen.
+
+        Returns how many blocks it carried; later turns send them again.
+        """
+        conversation = self._conversations.get(conversation_id)
+        if conversation is None:
+            return 0
+        carried = [block_id for block_id, carrier in conversation.carrier.items() if carrier == turn]
+        for block_id in carried:
+            del conversation.carrier[block_id]
+        return len(carried)
+
     def end(self, conversation_id: str) -> bool:
         """Forget a conversation; returns whether it was tracked."""
         return self._conversations.pop(conversation_id, None) is not None

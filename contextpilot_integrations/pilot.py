@@ -400,6 +400,14 @@ class ContextPilot:
             requests, prompt, cached = self._usage.get(conversation_id, (0, 0, 0))
             return requests, prompt, cached
 
+    def discard(self, prepared: PreparedRequest) -> None:
+        """The request never reached the engine: forget it in the index and, in a
+        conversation, forget that its turn showed any block (later turns resend them)."""
+        with self._lock:
+            self.evict([prepared.request_id])
+            if prepared.conversation_id is not None and prepared.turn is not None:
+                self._conversations.forget_turn(prepared.conversation_id, prepared.turn)
+
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's seen blocks; returns whether it was tracked."""
         with self._lock:

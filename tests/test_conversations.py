@@ -48,3 +48,10 @@ def test_memory_is_bounded_by_ttl_and_count() -> None:
     assert len(store) == 0
     with pytest.raises(ValueError):
         ConversationStore(max_conversations=0)
+
+
+def test_forgetting_a_failed_turn() -> None:
+    store = ConversationStore()
+    store.deduplicate("c", blocks(1, 2))
+    assert store.forget_turn("c", 0) == 2 and store.forget_turn("nope", 0) == 0
+    assert [b.id for b in store.deduplicate("c", blocks(1)).fresh] == ["1"]

@@ -3,8 +3,9 @@
 The request id travels in the body (``rid`` for SGLang; ``session_id`` too, which SGLang
 copies into its KV-cache events), time to first token is measured on the stream, and the
 server's ``usage.prompt_tokens_details.cached_tokens`` is read back into the pilot's
-statistics. A request that fails is removed from the pilot's index again: the engine
-may not hold it, and the index must never predict a hit it cannot confirm.
+statistics. A request that fails is removed from the pilot's index again (the engine
+may not hold it, and the index must never predict a hit it cannot confirm), and its
+conversation turn no longer counts as having shown its blocks.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ class OpenAICompatClient:
 
     def _forget(self, prepared: PreparedRequest) -> None:
         if self.pilot is not None:
-            self.pilot.evict([prepared.request_id])
+            self.pilot.discard(prepared)
 
 
 class _StreamParser:

@@ -79,6 +79,15 @@ def test_unreachable_server_names_it_and_forgets_the_request() -> None:
     assert pilot.stats().live_requests == 0  # never reached the engine: not predicted as cached
 
 
+def test_a_failed_turn_does_not_hide_its_blocks_later() -> None:
+    pilot = ContextPilot()
+    first = pilot.prepare(docs("a", "b"), "turn 0", conversation_id="c")
+    with pytest.raises(EngineUnavailable):
+        OpenAICompatClient(f"http://127.0.0.1:{free_port()}", pilot, timeout=2).chat(first)
+    second = pilot.prepare(docs("a", "b"), "turn 1", conversation_id="c")
+    assert [b.id for b in second.blocks] == ["a", "b"] and second.references == ()
+
+
 class _Failing(BaseHTTPRequestHandler):
     status = 503
     body = b'{"error": "overloaded"}'
