@@ -1,0 +1,298 @@
+"""LangChain components: ContextPilot between a retriever and the model.
+
+- :class:`ContextPilotRetriever` wraps any retriever and returns the same documents in
+  send order (shared ones first);
+- :class:`ContextPilotPostprocessor` does the same as a document compressor (for
+  ``ContextualCompressionRetriever``) and, via :meth:`~ContextPilotPostprocessor.as_runnable`,
+  as an LCEL step after a retriever;
+- :func:`format_documents` renders them (blocks, location references, order annotation)
+  into the prompt text;
+- :class:`ChatSGLang` is ``ChatOpenAI`` that sends the request id to SGLang and reports the
+  server's cached tokens as ``usage_metadata["input_token_details"]["cache_read"]``.
+
+The annotation and references travel in each document's ``metadata["contextpilot"]``,
+never as an extra document, so a retriever still returns exactly k documents. The
+conversation id comes from the run config: ``configurable.conversation_id``, ``thread_id``
+or ``session_id`` (LangGraph, ``RunnableWithMessageHistory``), else ``metadata``.
+Needs the ``langchain`` extra.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+    Callbacks,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
+from langchain_core.documents import BaseDocumentCompressor, Document
+from langchain_core.retrievers import BaseRetriever, RetrieverLike
+from langchain_core.runnables import RunnableConfig, RunnableLambda, ensure_config
+from langchain_openai import ChatOpenAI
+from pydantic import ConfigDict, Field
+
+from .blocks import Block
+from .errors import BlockTypeError
+from .pilot import ContextPilot
+from .prepared import PreparedRequest
+
+__all__ = [
+    "ChatSGLang",
+    "ContextPilotPostprocessor",
+    "ContextPilotRetriever",
+    "conversation_id_from_config",
+    "format_documents",
+]
+
+CONVERSATION_KEYS = ("conversation_id", "thread_id", "session_id")
+METADATA_KEY = "contextpilot"
+EVENT_NAME = "contextpilot_prepared"
+
+
+def conversation_id_from_config(config: RunnableConfig | None = None) -> str | None:
+    """``configurable.conversation_id`` / ``thread_id`` / ``session_id``, else ``metadata``."""
+    config = ensure_config(config)
+    for source in (config.get("configurable") or {}, config.get("metadata") or {}):
+        for key in CONVERSATION_KEYS:
+            value = source.get(key)
+            if value:
+                return str(value)
+    return None
+
+
+def _to_blocks(documents: Sequence[Document]) -> list[Block]:
+    blocks = []
+    for position, document in enumerate(documents):
+        if not isinstance(document, Document):
+            raise BlockTypeError(f"document #{position}: expected a Document, got {type(document).__name__}")
+        if not isinstance(document.page_content, str):
+            raise BlockTypeError(f"document #{position}: page_content must be str")
+        block_id = document.id or document.metadata.get("id")
+        blocks.append(
+            Block(id=str(block_id) if block_id else None, text=document.page_content, metadata=document.metadata)  # type: ignore[arg-type]
+        )
+    return blocks
+
+
+def _documents(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
+    """The retrieved documents in send order (sent ones, then referenced ones), annotated."""
+    by_text_and_id = {}
+    for document, block in zip(documents, _to_blocks(documents), strict=True):
+        by_text_and_id.setdefault(block.id, document)
+    shared = {"request_id": prepared.request_id, "order_annotation": prepared.order_annotation}
+    out = []
+    ranks = {block.id: rank for rank, block in enumerate(prepared.ranking)}
+    for position, block in enumerate(prepared.blocks):
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "reference": None}
+        out.append(_annotated(by_text_and_id[block.id], info))
+    for reference in prepared.references:
+        block = reference.block
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "reference": reference.text}
+        out.append(_annotated(by_text_and_id[block.id], info))
+    return out
+
+
+def _annotated(document: Document, info: dict[str, Any]) -> Document:
+    return Document(
+        page_content=document.page_content, id=document.id, metadata={**document.metadata, METADATA_KEY: info}
+    )
+
+
+def format_documents(documents: Sequence[Document]) -> str:
+    """Prompt text for documents that went through ContextPilot: the blocks (the shared
+    prefix), the location references, then the order annotation. Documents without
+    ContextPilot metadata are rendered as plain text blocks."""
+    blocks, references, annotation = [], [], ""
+    for document in documents:
+        info = document.metadata.get(METADATA_KEY) or {}
+        if info.get("reference"):
+            references.append(info["reference"])
+        elif info:
+            blocks.append(f"[{info['label']}] {document.page_content}")
+        else:
+            blocks.append(document.page_content)
+        annotation = info.get("order_annotation") or annotation
+    return "\n\n".join(part for part in [*blocks, *references, annotation] if part)
+
+
+def _event_data(prepared: PreparedRequest) -> dict[str, Any]:
+    return {
+        "request_id": prepared.request_id,
+        "conversation_id": prepared.conversation_id,
+        "turn": prepared.turn,
+        "sent": [b.id for b in prepared.blocks],
+        "references": [r.block.id for r in prepared.references],
+        "reordered": prepared.reordered,
+        "predicted_cached_tokens": prepared.cached_tokens,
+    }
+
+
+class ContextPilotPostprocessor(BaseDocumentCompressor):
+    """Reorders retrieved documents for prefix-cache reuse (a document compressor).
+
+    Use it in ``ContextualCompressionRetriever(base_compressor=..., base_retriever=...)``
+    or, through :meth:`as_runnable`, after a retriever in LCEL: ``retriever | pp.as_runnable()``.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    pilot: ContextPilot = Field(default_factory=ContextPilot)
+    conversation_id: str | None = None
+    """A fixed conversation; otherwise it is read from the run's metadata/config."""
+
+    def _conversation(self, callbacks: Callbacks) -> str | None:
+        if self.conversation_id:
+            return self.conversation_id
+        metadata = getattr(callbacks, "metadata", None) or {}
+        for key in CONVERSATION_KEYS:
+            if metadata.get(key):
+                return str(metadata[key])
+        return conversation_id_from_config()
+
+    def compress_documents(
+        self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+    ) -> Sequence[Document]:
+        prepared = self.pilot.prepare(_to_blocks(documents), query, self._conversation(callbacks))
+        if callbacks is not None:
+            dispatch_custom_event(EVENT_NAME, _event_data(prepared), config={"callbacks": callbacks})
+        return _documents(prepared, documents)
+
+    async def acompress_documents(
+        self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+    ) -> Sequence[Document]:
+        prepared = await self.pilot.aprepare(_to_blocks(documents), query, self._conversation(callbacks))
+        if callbacks is not None:
+            await adispatch_custom_event(EVENT_NAME, _event_data(prepared), config={"callbacks": callbacks})
+        return _documents(prepared, documents)
+
+    def as_runnable(self) -> RunnableLambda:
+        """An LCEL step taking ``list[Document]`` or ``{"documents": [...], "question": str}``."""
+
+        def reorder(value: Any, config: RunnableConfig) -> list[Document]:
+            documents, query = _documents_and_query(value)
+            prepared = self.pilot.prepare(
+                _to_blocks(documents), query, self.conversation_id or conversation_id_from_config(config)
+            )
+            dispatch_custom_event(EVENT_NAME, _event_data(prepared), config=config)
+            return _documents(prepared, documents)
+
+        async def areorder(value: Any, config: RunnableConfig) -> list[Document]:
+            documents, query = _documents_and_query(value)
+            conversation = self.conversation_id or conversation_id_from_config(config)
+            prepared = await self.pilot.aprepare(_to_blocks(documents), query, conversation)
+            await adispatch_custom_event(EVENT_NAME, _event_data(prepared), config=config)
+            return _documents(prepared, documents)
+
+        return RunnableLambda(reorder, afunc=areorder, name="contextpilot_reorder")
+
+
+def _documents_and_query(value: Any) -> tuple[list[Document], str]:
+    if isinstance(value, dict):
+        return list(value.get("documents") or value.get("docs") or []), str(
+            value.get("question") or value.get("query") or ""
+        )
+    return list(value), ""
+
+
+class ContextPilotRetriever(BaseRetriever):
+    """Wraps a retriever: the same documents (the first ``k``), in send order.
+
+    The conversation id is read from the run config (see the module docstring).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    base_retriever: RetrieverLike
+    pilot: ContextPilot = Field(default_factory=ContextPilot)
+    k: int | None = None
+    """Keep at most this many of the base retriever's documents (``None``: all)."""
+
+    def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        kwargs.setdefault("_cp_conversation", conversation_id_from_config(config))
+        return super().invoke(input, config, **kwargs)
+
+    async def ainvoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        kwargs.setdefault("_cp_conversation", conversation_id_from_config(config))
+        return await super().ainvoke(input, config, **kwargs)
+
+    def _get_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        _cp_conversation: str | None = None,
+        k: int | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        documents = self.base_retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        documents = documents[: k or self.k or len(documents)]
+        prepared = self.pilot.prepare(_to_blocks(documents), query, _cp_conversation)
+        dispatch_custom_event(EVENT_NAME, _event_data(prepared), config={"callbacks": run_manager.get_child()})
+        return _documents(prepared, documents)
+
+    async def _aget_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        _cp_conversation: str | None = None,
+        k: int | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        documents = await self.base_retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        documents = documents[: k or self.k or len(documents)]
+        prepared = await self.pilot.aprepare(_to_blocks(documents), query, _cp_conversation)
+        await adispatch_custom_event(EVENT_NAME, _event_data(prepared), config={"callbacks": run_manager.get_child()})
+        return _documents(prepared, documents)
+
+
+class ChatSGLang(ChatOpenAI):
+    """``ChatOpenAI`` for SGLang (and other OpenAI-compatible servers with a prefix cache).
+
+    Each call sends a request id (``rid`` and ``session_id`` in the body): the one in the
+    run config (``metadata["contextpilot_request_id"]``, e.g. from a document's
+    ``metadata["contextpilot"]["request_id"]``) or a fresh one. Streaming reports usage,
+    so ``usage_metadata["input_token_details"]["cache_read"]`` carries the server's cached
+    tokens for invoke, ainvoke, stream, astream and batch alike.
+    """
+
+    stream_usage: bool | None = True
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return False
+
+    def _with_rid(self, config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        config = ensure_config(config)
+        rid = (config.get("metadata") or {}).get("contextpilot_request_id") or (config.get("configurable") or {}).get(
+            "contextpilot_request_id"
+        )
+        rid = str(rid) if rid else f"cp-{uuid.uuid4().hex}"
+        extra = {**(self.extra_body or {}), **(kwargs.get("extra_body") or {}), "rid": rid, "session_id": rid}
+        return {**kwargs, "extra_body": extra}
+
+    def invoke(
+        self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
+    ) -> Any:
+        return super().invoke(input, config, stop=stop, **self._with_rid(config, kwargs))
+
+    async def ainvoke(
+        self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
+    ) -> Any:
+        return await super().ainvoke(input, config, stop=stop, **self._with_rid(config, kwargs))
+
+    def stream(
+        self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        yield from super().stream(input, config, stop=stop, **self._with_rid(config, kwargs))
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        async for chunk in super().astream(input, config, stop=stop, **self._with_rid(config, kwargs)):
+            yield chunk
