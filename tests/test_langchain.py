@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
@@ -26,6 +27,7 @@ from contextpilot_integrations.langchain import (
     ChatSGLang,
     ContextPilotPostprocessor,
     ContextPilotRetriever,
+    ConversationalRAG,
     conversation_id_from_config,
     format_documents,
 )
@@ -187,3 +189,66 @@ def test_lcel_chain_against_a_real_server(llama: LlamaServer) -> None:
     streamed = list((chain | StrOutputParser()).stream(QUERY))
     assert isinstance("".join(streamed), str)
     assert asyncio.run(chain.ainvoke(QUERY)).usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_conversational_rag_references_and_resends(llama: LlamaServer) -> None:
+    pilot = ContextPilot()
+    # langchain-openai caches one async HTTP client per URL, bound to the first event loop
+    # that used it; this test runs its own loop, so it brings its own client
+    llm = ChatSGLang(
+        model="tiny",
+        base_url=llama.url + "/v1",
+        api_key="unused",
+        max_tokens=2,
+        temperature=0,
+        http_async_client=httpx.AsyncClient(),
+    )
+    rag = ConversationalRAG(BM25ChunkRetriever(k=3, max_chars=300), llm, pilot, max_turns=1)
+    config = {"configurable": {"thread_id": "chat"}}
+    rag.invoke(QUERY, config=config)
+    second = rag.invoke(QUERY.upper(), config=config)  # same documents: all references now
+    kept = rag.history("chat")
+    assert len(kept) == 1 and kept[0][1].count("Please refer to [Doc_") == 3
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 300  # the history prefix
+    rag.invoke(QUERY, config=config)  # turn 0 (which showed them) left the window: sent again
+    assert "Please refer to" not in rag.history("chat")[-1][1]
+    answer = asyncio.run(rag.ainvoke("Another question about crypto", config={"configurable": {"thread_id": "other"}}))
+    assert answer.usage_metadata is not None and len(rag.history("other")) == 1
+    rag.reset("chat")
+    assert rag.history("chat") == []
+
+
+def test_chat_model_sends_the_request_id_in_batch_and_stream(llama: LlamaServer) -> None:
+    llm = ChatSGLang(model="tiny", base_url=llama.url + "/v1", api_key="unused", max_tokens=2, temperature=0)
+    results = llm.batch(["hello there", "hello there again"])
+    assert len(results) == 2 and all(r.usage_metadata for r in results)
+    chunks = list(llm.stream("hello there", config={"metadata": {"contextpilot_request_id": "cp-fixed"}}))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert merged.usage_metadata and "cache_read" in merged.usage_metadata["input_token_details"]
+    payload = llm._with_rid({"metadata": {"contextpilot_request_id": "cp-7"}}, {"extra_body": {"top_k": 1}})
+    assert payload["extra_body"] == {"top_k": 1, "rid": "cp-7", "session_id": "cp-7"}
+
+
+def test_postprocessor_in_contextual_compression_retriever() -> None:
+    from langchain_classic.retrievers import ContextualCompressionRetriever
+
+    pilot = ContextPilot()
+    ccr = ContextualCompressionRetriever(
+        base_compressor=ContextPilotPostprocessor(pilot=pilot), base_retriever=BM25ChunkRetriever(k=4)
+    )
+    config = {"metadata": {"conversation_id": "ccr"}}
+    first = ccr.invoke(QUERY, config=config)
+    second = asyncio.run(ccr.ainvoke(QUERY, config=config))
+    assert len(first) == len(second) == 4
+    assert all(d.metadata["contextpilot"]["reference"] for d in second)  # conversation read from metadata
+
+
+def test_lcel_helpers() -> None:
+    from contextpilot_integrations.langchain import contextpilot_reorder, format_documents_runnable
+
+    pilot = ContextPilot()
+    chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
+    text = chain.invoke(QUERY)
+    assert text.count("[Doc_") >= 3 and "priority order" in text and pilot.stats().requests_prepared == 1
