@@ -40,7 +40,7 @@ case "$command" in
     # a real prefix-caching server for the end-to-end tests (built once, cached outside the repo)
     LLAMA_SERVER="$(PATH="$VENV/bin:$PATH" scripts/build_llama_server.sh | tail -n 1)"
     export LLAMA_SERVER
-    "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks langchain
+    "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks langchain llamaindex
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   bench)
