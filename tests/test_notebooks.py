@@ -1,0 +1,37 @@
+"""Every notebook runs top to bottom, offline, in under two minutes (executed with nbclient)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_three_notebooks_committed_without_outputs() -> None:
+    assert len(NOTEBOOKS) == 3
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONTEXTPILOT_ENGINE_URL", raising=False)
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend shows the plots
+    notebook = nbformat.read(path, as_version=4)
+    start = time.monotonic()
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert time.monotonic() - start < 120
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert text, "the notebook printed nothing"
+    images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
+    assert images, "the notebook drew no plot"
+    assert os.environ.get("CONTEXTPILOT_ENGINE_URL") is None
