@@ -26,7 +26,9 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend shows the plots
     notebook = nbformat.read(path, as_version=4)
     start = time.monotonic()
-    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     assert time.monotonic() - start < 120
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
