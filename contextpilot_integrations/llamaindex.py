@@ -18,7 +18,6 @@ dispatcher. Needs the ``llamaindex`` extra.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -42,7 +41,7 @@ __all__ = ["ContextPilotChatEngine", "ContextPilotEvent", "ContextPilotPostproce
 
 dispatcher = get_dispatcher(__name__)
 LABEL_KEY = "contextpilot_label"
-_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("contextpilot_request_id", default=None)
+REQUEST_ID_KWARG = "contextpilot_request_id"
 
 
 class ContextPilotEvent(BaseEvent):
@@ -121,8 +120,8 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
 class SGLangLLM(OpenAILike):
     """``OpenAILike`` chat model that sends a request id and reports cached tokens.
 
-    The id is the one the chat engine or postprocessor set for the current call (a
-    context variable), else a fresh one; it goes out as ``rid`` and ``session_id``.
+    The id is the one the chat engine passes for the call (``contextpilot_request_id=``),
+    else a fresh one; it goes out as ``rid`` and ``session_id``.
     """
 
     is_chat_model: bool = True
@@ -132,8 +131,8 @@ class SGLangLLM(OpenAILike):
         return "SGLangLLM"
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        rid = kwargs.pop(REQUEST_ID_KWARG, None) or f"cp-{uuid.uuid4().hex}"
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        rid = _REQUEST_ID.get() or f"cp-{uuid.uuid4().hex}"
         model_kwargs["extra_body"] = {**(model_kwargs.get("extra_body") or {}), "rid": rid, "session_id": rid}
         if model_kwargs.get("stream"):
             model_kwargs.setdefault("stream_options", {"include_usage": True})
@@ -246,6 +245,10 @@ class ContextPilotChatEngine(BaseChatEngine):
         messages = [ChatMessage(role=MessageRole.SYSTEM, content=self._system_prompt)] if self._system_prompt else []
         return prepared, [*messages, *history, user], user
 
+    def _call_kwargs(self, prepared: PreparedRequest) -> dict[str, Any]:
+        """The request id for :class:`SGLangLLM` (other LLMs take no extra argument)."""
+        return {REQUEST_ID_KWARG: prepared.request_id} if isinstance(self._llm, SGLangLLM) else {}
+
     @staticmethod
     def _response(prepared: PreparedRequest, nodes: list[NodeWithScore], response: ChatResponse) -> AgentChatResponse:
         metadata = {"request_id": prepared.request_id, "cached_tokens": response.additional_kwargs.get("cached_tokens")}
@@ -258,11 +261,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             self._memory.set(chat_history)
         nodes = self._retriever.retrieve(message)
         prepared, messages, user = self._prepare(message, nodes, self._memory.get())
-        token = _REQUEST_ID.set(prepared.request_id)
-        try:
-            response = self._llm.chat(messages)
-        finally:
-            _REQUEST_ID.reset(token)
+        response = self._llm.chat(messages, **self._call_kwargs(prepared))
         self._memory.put(user)
         self._memory.put(response.message)
         return self._response(prepared, nodes, response)
@@ -272,11 +271,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             await self._memory.aset(chat_history)
         nodes = await self._retriever.aretrieve(message)
         prepared, messages, user = self._prepare(message, nodes, await self._memory.aget())
-        token = _REQUEST_ID.set(prepared.request_id)
-        try:
-            response = await self._llm.achat(messages)
-        finally:
-            _REQUEST_ID.reset(token)
+        response = await self._llm.achat(messages, **self._call_kwargs(prepared))
         await self._memory.aput(user)
         await self._memory.aput(response.message)
         return self._response(prepared, nodes, response)
@@ -286,11 +281,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             self._memory.set(chat_history)
         nodes = self._retriever.retrieve(message)
         prepared, messages, user = self._prepare(message, nodes, self._memory.get())
-        token = _REQUEST_ID.set(prepared.request_id)
-        try:
-            stream = self._llm.stream_chat(messages)
-        finally:
-            _REQUEST_ID.reset(token)
+        stream = self._llm.stream_chat(messages, **self._call_kwargs(prepared))
         self._memory.put(user)
         response = StreamingAgentChatResponse(chat_stream=stream, source_nodes=_in_send_order(prepared, nodes))
         thread = threading.Thread(target=response.write_response_to_history, args=(self._memory,))
@@ -305,11 +296,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             await self._memory.aset(chat_history)
         nodes = await self._retriever.aretrieve(message)
         prepared, messages, user = self._prepare(message, nodes, await self._memory.aget())
-        token = _REQUEST_ID.set(prepared.request_id)
-        try:
-            stream = await self._llm.astream_chat(messages)
-        finally:
-            _REQUEST_ID.reset(token)
+        stream = await self._llm.astream_chat(messages, **self._call_kwargs(prepared))
         await self._memory.aput(user)
         response = StreamingAgentChatResponse(achat_stream=stream, source_nodes=_in_send_order(prepared, nodes))
         response.awrite_response_to_history_task = asyncio.create_task(

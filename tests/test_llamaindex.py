@@ -165,3 +165,33 @@ def test_second_turn_reports_cached_tokens(index: VectorStoreIndex, llama: Llama
     assert first.metadata["request_id"] != second.metadata["request_id"]
     # the second turn starts with the first one, context included: served from the cache
     assert second.metadata["cached_tokens"] > 1_000
+
+
+def test_the_request_id_reaches_the_server_in_every_call_style(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    seen: list[str] = []
+    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", api_key="unused", max_tokens=2, context_window=8192)
+    original = llm._get_model_kwargs
+
+    def spy(**kwargs: Any) -> dict[str, Any]:
+        out = original(**kwargs)
+        seen.append(out["extra_body"]["rid"])
+        return out
+
+    object.__setattr__(llm, "_get_model_kwargs", spy)
+    pilot = ContextPilot()
+    engine = ContextPilotChatEngine.from_defaults(
+        retriever=index.as_retriever(similarity_top_k=2), llm=llm, pilot=pilot
+    )
+    ids = [engine.chat(QUESTION).metadata["request_id"]]
+    streamed = engine.stream_chat(QUESTION)
+    "".join(streamed.response_gen)
+
+    async def run() -> None:
+        ids.append((await engine.achat(QUESTION)).metadata["request_id"])
+        response = await engine.astream_chat(QUESTION)
+        "".join([token async for token in response.async_response_gen()])
+
+    asyncio.run(run())
+    assert len(seen) == 4 and seen[0] == ids[0] and seen[2] == ids[1]
+    prefix = ids[0].rsplit("-", 1)[0]
+    assert len(set(seen)) == 4 and all(rid.rsplit("-", 1)[0] == prefix for rid in seen)  # the pilot's ids, streams too
