@@ -39,7 +39,8 @@ from langchain_core.runnables import RunnableConfig, RunnableLambda, ensure_conf
 from langchain_openai import ChatOpenAI
 from pydantic import ConfigDict, Field
 
-from .blocks import Block
+from .annotations import render_block
+from .blocks import Block, content_id
 from .errors import BlockTypeError
 from .pilot import ContextPilot
 from .prepared import PreparedRequest
@@ -71,6 +72,11 @@ def conversation_id_from_config(config: RunnableConfig | None = None) -> str | N
     return None
 
 
+def _document_id(document: Document) -> str | None:
+    block_id = document.id or document.metadata.get("id")
+    return str(block_id) if block_id else None
+
+
 def _to_blocks(documents: Sequence[Document]) -> list[Block]:
     blocks = []
     for position, document in enumerate(documents):
@@ -78,28 +84,30 @@ def _to_blocks(documents: Sequence[Document]) -> list[Block]:
             raise BlockTypeError(f"document #{position}: expected a Document, got {type(document).__name__}")
         if not isinstance(document.page_content, str):
             raise BlockTypeError(f"document #{position}: page_content must be str")
-        block_id = document.id or document.metadata.get("id")
-        blocks.append(
-            Block(id=str(block_id) if block_id else None, text=document.page_content, metadata=document.metadata)  # type: ignore[arg-type]
-        )
+        blocks.append(Block(id=_document_id(document), text=document.page_content, metadata=document.metadata))  # type: ignore[arg-type]
     return blocks
 
 
 def _documents(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
     """The retrieved documents in send order (sent ones, then referenced ones), annotated."""
-    by_text_and_id = {}
-    for document, block in zip(documents, _to_blocks(documents), strict=True):
-        by_text_and_id.setdefault(block.id, document)
-    shared = {"request_id": prepared.request_id, "order_annotation": prepared.order_annotation}
-    out = []
+    by_id: dict[str, Document] = {}
+    for document in documents:  # the same identity as the blocks: given id, else content hash
+        by_id.setdefault(_document_id(document) or content_id(document.page_content), document)
+    shared = {
+        "request_id": prepared.request_id,
+        "order_annotation": prepared.order_annotation,
+        "separator": prepared.templates.separator,
+    }
     ranks = {block.id: rank for rank, block in enumerate(prepared.ranking)}
+    out = []
     for position, block in enumerate(prepared.blocks):
-        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "reference": None}
-        out.append(_annotated(by_text_and_id[block.id], info))
+        rendered = render_block(block, prepared.templates)
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "text": rendered}
+        out.append(_annotated(by_id[block.id], {**info, "reference": None}))
     for reference in prepared.references:
         block = reference.block
-        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "reference": reference.text}
-        out.append(_annotated(by_text_and_id[block.id], info))
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "text": None}
+        out.append(_annotated(by_id[block.id], {**info, "reference": reference.text}))
     return out
 
 
@@ -113,17 +121,16 @@ def format_documents(documents: Sequence[Document]) -> str:
     """Prompt text for documents that went through ContextPilot: the blocks (the shared
     prefix), the location references, then the order annotation. Documents without
     ContextPilot metadata are rendered as plain text blocks."""
-    blocks, references, annotation = [], [], ""
+    blocks, references, annotation, separator = [], [], "", "\n\n"
     for document in documents:
         info = document.metadata.get(METADATA_KEY) or {}
         if info.get("reference"):
             references.append(info["reference"])
-        elif info:
-            blocks.append(f"[{info['label']}] {document.page_content}")
         else:
-            blocks.append(document.page_content)
+            blocks.append(info.get("text") or document.page_content)  # rendered with the pilot's template
         annotation = info.get("order_annotation") or annotation
-    return "\n\n".join(part for part in [*blocks, *references, annotation] if part)
+        separator = info.get("separator") or separator
+    return separator.join(part for part in [*blocks, *references, annotation] if part)
 
 
 def _event_data(prepared: PreparedRequest) -> dict[str, Any]:

@@ -171,6 +171,9 @@ class SGLangLLM(OpenAILike):
         return gen()
 
 
+_Turn = tuple[list[NodeWithScore], PreparedRequest, list[ChatMessage], ChatMessage]
+
+
 class ContextPilotChatEngine(BaseChatEngine):
     """Memory-aware RAG chat: each turn's context stays in the history; documents already
     shown become location references while the turn that showed them is in memory.
@@ -245,6 +248,19 @@ class ContextPilotChatEngine(BaseChatEngine):
         messages = [ChatMessage(role=MessageRole.SYSTEM, content=self._system_prompt)] if self._system_prompt else []
         return prepared, [*messages, *history, user], user
 
+    def _begin(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
+        """Retrieve and prepare a turn: (nodes, prepared request, messages to send, user message)."""
+        if chat_history is not None:
+            self._memory.set(chat_history)
+        nodes = self._retriever.retrieve(message)
+        return (nodes, *self._prepare(message, nodes, self._memory.get()))
+
+    async def _abegin(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
+        if chat_history is not None:
+            await self._memory.aset(chat_history)
+        nodes = await self._retriever.aretrieve(message)
+        return (nodes, *self._prepare(message, nodes, await self._memory.aget()))
+
     def _call_kwargs(self, prepared: PreparedRequest) -> dict[str, Any]:
         """The request id for :class:`SGLangLLM` (other LLMs take no extra argument)."""
         return {REQUEST_ID_KWARG: prepared.request_id} if isinstance(self._llm, SGLangLLM) else {}
@@ -257,30 +273,21 @@ class ContextPilotChatEngine(BaseChatEngine):
         )
 
     def chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
-        if chat_history is not None:
-            self._memory.set(chat_history)
-        nodes = self._retriever.retrieve(message)
-        prepared, messages, user = self._prepare(message, nodes, self._memory.get())
+        nodes, prepared, messages, user = self._begin(message, chat_history)
         response = self._llm.chat(messages, **self._call_kwargs(prepared))
         self._memory.put(user)
         self._memory.put(response.message)
         return self._response(prepared, nodes, response)
 
     async def achat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
-        if chat_history is not None:
-            await self._memory.aset(chat_history)
-        nodes = await self._retriever.aretrieve(message)
-        prepared, messages, user = self._prepare(message, nodes, await self._memory.aget())
+        nodes, prepared, messages, user = await self._abegin(message, chat_history)
         response = await self._llm.achat(messages, **self._call_kwargs(prepared))
         await self._memory.aput(user)
         await self._memory.aput(response.message)
         return self._response(prepared, nodes, response)
 
     def stream_chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> StreamingAgentChatResponse:
-        if chat_history is not None:
-            self._memory.set(chat_history)
-        nodes = self._retriever.retrieve(message)
-        prepared, messages, user = self._prepare(message, nodes, self._memory.get())
+        nodes, prepared, messages, user = self._begin(message, chat_history)
         stream = self._llm.stream_chat(messages, **self._call_kwargs(prepared))
         self._memory.put(user)
         response = StreamingAgentChatResponse(chat_stream=stream, source_nodes=_in_send_order(prepared, nodes))
@@ -292,10 +299,7 @@ class ContextPilotChatEngine(BaseChatEngine):
     async def astream_chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
-        if chat_history is not None:
-            await self._memory.aset(chat_history)
-        nodes = await self._retriever.aretrieve(message)
-        prepared, messages, user = self._prepare(message, nodes, await self._memory.aget())
+        nodes, prepared, messages, user = await self._abegin(message, chat_history)
         stream = await self._llm.astream_chat(messages, **self._call_kwargs(prepared))
         await self._memory.aput(user)
         response = StreamingAgentChatResponse(achat_stream=stream, source_nodes=_in_send_order(prepared, nodes))
