@@ -282,7 +282,8 @@ class ContextPilot:
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
-            orders, schedule = self._strategy.plan(batch)
+            tokens = {block.id: block.token_count for blocks, _ in normalized for block in blocks}
+            orders, schedule = self._strategy.plan(batch, tokens)
             schedule = _keep_turn_order(schedule, [item.conversation_id for item in items])
             prepared = []
             steps = tqdm(schedule, desc="planning", unit="req", disable=not progress)

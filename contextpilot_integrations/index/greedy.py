@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["GreedyPlan", "greedy_plan"]
+__all__ = ["BatchPlan", "greedy_plan"]
 
 
-class GreedyPlan:
+class BatchPlan:
     """Orders (as indices into each request's own block list) and the send schedule."""
 
     __slots__ = ("orders", "schedule")
@@ -42,7 +42,7 @@ def _encode(requests: Sequence[Sequence[object]]) -> tuple[np.ndarray, int]:
     return matrix, len(numbering)
 
 
-def greedy_plan(requests: Sequence[Sequence[object]]) -> GreedyPlan:
+def greedy_plan(requests: Sequence[Sequence[object]]) -> BatchPlan:
     """Plan a batch: each request's send order and the order to send the requests in.
 
     Args:
@@ -55,7 +55,7 @@ def greedy_plan(requests: Sequence[Sequence[object]]) -> GreedyPlan:
     n = len(requests)
     blocks, vocabulary = _encode(requests)
     if vocabulary == 0:
-        return GreedyPlan([[] for _ in requests], list(range(n)))
+        return BatchPlan([[] for _ in requests], list(range(n)))
     width = blocks.shape[1]
     valid = blocks >= 0
     global_count = np.bincount(blocks[valid], minlength=vocabulary).astype(np.int64)
@@ -118,4 +118,4 @@ def greedy_plan(requests: Sequence[Sequence[object]]) -> GreedyPlan:
     sorted_cols = np.argsort(position_key, axis=1, kind="stable")
     lengths = valid.sum(axis=1).tolist()
     orders = [cols[:length] for cols, length in zip(sorted_cols.tolist(), lengths, strict=True)]
-    return GreedyPlan(orders, schedule)
+    return BatchPlan(orders, schedule)

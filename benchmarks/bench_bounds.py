@@ -1,0 +1,185 @@
+"""How close the default strategy gets to what any ordering could reach (a script, not a test).
+
+On the bundled MultiHop-RAG trace, side by side in one run:
+
+* offline, unbounded cache: retrieval order, the default plan, the optimum of the tree
+  objective on small neighbourhoods (exact, by dynamic programming over subsets), and two
+  upper bounds for the whole batch: a maximum spanning tree of pairwise overlaps (each
+  request reuses at most its overlap with one earlier request) and the reuse bound (every
+  block some earlier request sent);
+* online at 25% capacity: the default strategy vs. an oracle that knows the next requests
+  and orders each request's new blocks for them (what no online strategy can beat by much).
+
+Sending a batch depth-first through a tree whose nodes hold the blocks their requests
+share saves exactly the tokens of the internal nodes (a node with k children k - 1 times),
+so the exact optimum of a neighbourhood is a maximum over its binary trees.
+
+Usage: python benchmarks/bench_bounds.py [--neighbourhoods 12] [--size 11] [--window 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import minimum_spanning_tree
+
+from contextpilot_integrations.index import agglomerate
+from contextpilot_integrations.replay import TraceRequest, multihop_trace, replay, reuse_bound, working_set_tokens
+from contextpilot_integrations.simulate import RadixCacheSimulator
+
+
+def weights(trace: Sequence[TraceRequest]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for request in trace:
+        sizes.update(zip(request.blocks, request.token_counts(), strict=True))
+    return sizes
+
+
+def spanning_tree_bound(sets: list[frozenset[str]], tokens: dict[str, int]) -> float:
+    """Tokens of a maximum spanning forest over pairwise overlaps, as a share of all tokens."""
+    keys = {key: i for i, key in enumerate(tokens)}
+    rows = np.repeat(np.arange(len(sets)), [len(s) for s in sets])
+    cols = np.fromiter((keys[k] for s in sets for k in s), dtype=np.int64)
+    incidence = csr_matrix((np.ones(len(cols)), (rows, cols)), shape=(len(sets), len(keys)))
+    weighted = incidence @ csr_matrix(np.diag(np.array([tokens[k] for k in tokens], dtype=np.float64)))
+    overlap = (weighted @ incidence.T).tocoo()
+    upper = overlap.row < overlap.col
+    graph = csr_matrix((-overlap.data[upper], (overlap.row[upper], overlap.col[upper])), shape=overlap.shape)
+    return -minimum_spanning_tree(graph).sum() / sum(tokens[k] for s in sets for k in s)
+
+
+def tree_optimum(sets: list[frozenset[str]], tokens: dict[str, int]) -> float:
+    """Best saving of any binary tree over these requests (dynamic programming over subsets)."""
+    m = len(sets)
+    shared: dict[int, frozenset[str]] = {1 << i: s for i, s in enumerate(sets)}
+    best: dict[int, float] = {1 << i: 0.0 for i in range(m)}
+    for mask in range(1, 1 << m):
+        if mask in best:
+            continue
+        low = mask & -mask
+        shared[mask] = shared[low] & shared[mask ^ low]
+        top = 0.0
+        part = (mask - 1) & mask
+        while part:
+            if part & low:  # each split once: the part holding the lowest request
+                top = max(top, best[part] + best[mask ^ part])
+            part = (part - 1) & mask
+        best[mask] = top + sum(tokens[k] for k in shared[mask])
+    return best[(1 << m) - 1]
+
+
+def plan_saving(sets: list[frozenset[str]], tokens: dict[str, int], penalty: float) -> float:
+    requests = [sorted(s) for s in sets]
+    plan = agglomerate(requests, tokens, penalty)
+    cache = RadixCacheSimulator(None)
+    saved = 0
+    for index in plan.schedule:
+        order = [requests[index][i] for i in plan.orders[index]]
+        saved += cache.request(str(index), [(k, tokens[k]) for k in order]).hit_tokens
+    return saved
+
+
+def neighbourhoods(sets: list[frozenset[str]], tokens: dict[str, int], count: int, size: int) -> None:
+    rng = random.Random(1)
+    greedy = tuned = optimum = 0.0
+    worst = 1.0
+    start = time.perf_counter()
+    for _ in range(count):
+        centre = rng.randrange(len(sets))
+        others = sorted(
+            (j for j in range(len(sets)) if j != centre and sets[j] & sets[centre]),
+            key=lambda j: -sum(tokens[k] for k in sets[j] & sets[centre]),
+        )
+        near = size // 2
+        group = [centre, *others[:near], *rng.sample(others[near:], min(size - 1 - near, len(others) - near))]
+        members = [sets[j] for j in group]
+        best = tree_optimum(members, tokens)
+        found = plan_saving(members, tokens, 0.0)
+        greedy, tuned, optimum = greedy + found, tuned + plan_saving(members, tokens, 0.05), optimum + best
+        worst = min(worst, found / best if best else 1.0)
+    print(f"\n== {count} neighbourhoods of {size} requests (centre, nearest half, random overlapping rest) ==")
+    print(f"pure greedy tree      {greedy / optimum:7.1%} of the exact optimum (worst neighbourhood {worst:.1%})")
+    print(f"default (penalty .05) {tuned / optimum:7.1%} of the exact optimum   [{time.perf_counter() - start:.0f} s]")
+
+
+def best_head(cache: RadixCacheSimulator, keys: set[str]) -> list[str]:
+    """The longest cached path made only of these blocks (exhaustive)."""
+    best: list[str] = []
+    stack = [(cache.root, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        for child in node.children.values():
+            run = [k for k, _ in child.blocks]
+            taken = 0
+            while taken < len(run) and run[taken] in keys:
+                taken += 1
+            if taken == len(run):
+                stack.append((child, path + run))
+            elif len(path) + taken > len(best):
+                best = path + run[:taken]
+    return best
+
+
+def oracle_online(trace: Sequence[TraceRequest], tokens: dict[str, int], capacity: int, window: int) -> float:
+    """Hit ratio when each request's new blocks are ordered for the next ``window`` requests."""
+    cache = RadixCacheSimulator(capacity)
+    sets = [frozenset(r.blocks) for r in trace]
+    seen: Counter[str] = Counter()
+    hit = total = 0
+    for i, request in enumerate(trace):
+        seen.update(request.blocks)
+        head = best_head(cache, set(request.blocks))
+        future = [s for s in sets[i + 1 : i + 1 + window] if s.issuperset(head)]
+        rest = [k for k in request.blocks if k not in set(head)]
+        tail: list[str] = []
+        while rest and future:
+            pick = max(rest, key=lambda k: (sum(tokens[k] for s in future if k in s), seen[k]))
+            future = [s for s in future if pick in s]
+            if not future:
+                break
+            tail.append(pick)
+            rest.remove(pick)
+        tail += sorted(rest, key=lambda k: -seen[k])
+        served = cache.request(request.id, [(k, tokens[k]) for k in head + tail])
+        hit += served.hit_tokens
+        total += served.block_tokens
+    return hit / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--neighbourhoods", type=int, default=12)
+    parser.add_argument("--size", type=int, default=11, help="requests per neighbourhood (exact DP is 3^size)")
+    parser.add_argument("--window", type=int, default=30, help="requests the online oracle sees ahead")
+    args = parser.parse_args()
+    trace = multihop_trace()
+    tokens = weights(trace)
+    sets = [frozenset(r.blocks) for r in trace]
+    capacity = working_set_tokens(trace) // 4
+
+    print("== offline, unbounded cache: share of all block tokens reused ==")
+    for strategy in ("retrieval", "paper", "trie"):
+        result = replay(trace, strategy, "offline", None)
+        print(f"{strategy:<22}{result.hit_ratio:7.1%}   plan {result.pilot_seconds:.2f} s")
+    print(f"{'spanning-tree bound':<22}{spanning_tree_bound(sets, tokens):7.1%}   (no prefix consistency)")
+    print(f"{'reuse bound':<22}{reuse_bound(trace):7.1%}   (any block seen before)")
+    neighbourhoods(sets, tokens, args.neighbourhoods, args.size)
+
+    print("\n== online, 25% capacity ==")
+    for strategy in ("retrieval", "trie"):
+        result = replay(trace, strategy, "online", capacity)
+        print(f"{strategy:<22}{result.hit_ratio:7.1%}")
+    oracle = oracle_online(trace, tokens, capacity, args.window)
+    print(f"{f'oracle, next {args.window} known':<22}{oracle:7.1%}")
+
+
+if __name__ == "__main__":
+    main()
