@@ -128,6 +128,19 @@ def test_many_non_overlapping_requests_then_overlapping_ones() -> None:
     assert again.cached_blocks == 15 and pilot.stats().live_requests == 1_501
 
 
+def test_default_plan_weighs_shared_blocks_by_their_tokens() -> None:
+    # the first two requests share one long block; the last two share two short ones
+    long, short = "long block " * 400, "short"
+    batch = [
+        [Block(id="L", text=long), Block(id="a", text=short + "a")],
+        [Block(id="L", text=long), Block(id="x", text=short + "x"), Block(id="y", text=short + "y")],
+        [Block(id="x", text=short + "x"), Block(id="y", text=short + "y"), Block(id="b", text=short + "b")],
+    ]
+    planned = ContextPilot().plan([(blocks, "q") for blocks in batch])
+    assert sum(p.cached_tokens for p in planned) == Block(id="L", text=long).token_count
+    assert [p.blocks[0].id for p in planned if p.batch_index in (0, 1)] == ["L", "L"]
+
+
 def test_plan_keeps_turn_order_within_a_conversation() -> None:
     pilot = ContextPilot()
     items = [

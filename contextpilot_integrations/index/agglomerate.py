@@ -8,7 +8,9 @@ merging the two clusters whose shared blocks weigh the most, the shared set beco
 new cluster. That similarity can only shrink as clusters grow (it is *reducible*), so the
 nearest-neighbour-chain algorithm finds the same merges as the greedy without a global
 queue: each step asks one cluster for its best partner, computed from block postings
-(block -> clusters holding it) in one numpy ``bincount``.
+(block -> clusters holding it) in one numpy ``bincount``. On neighbourhoods of the
+MultiHop-RAG trace small enough to solve exactly, the greedy tree saves 99% of the
+optimum (``benchmarks/bench_bounds.py``).
 
 Clusters that share nothing with any other become roots of their own. Within a node, the
 new blocks follow batch popularity, a canonical order later requests can follow too.
@@ -100,6 +102,8 @@ class _Agglomeration:
     def scores(self, cluster: int) -> np.ndarray:
         """Merge score of ``cluster`` with every cluster (-inf where they share nothing)."""
         codes = list(self.shared[cluster])
+        if not codes:
+            return np.full(self.sink + 1, -np.inf)
         start, count = self.start[codes], self.count[codes]
         postings = self.postings
         members = np.concatenate([postings[s : s + c] for s, c in zip(start.tolist(), count.tolist(), strict=True)])

@@ -87,34 +87,34 @@ class PrefixTrie(Generic[K]):
         """
         best: tuple[K, ...] = ()
         budget = self.max_search_nodes
-        # entries are expanded lazily: (node, path to its parent, parent's remaining keys, its key)
-        stack: list[tuple[_Node[K], tuple[K, ...], frozenset[K], K | None]] = [(self.root, (), frozenset(keys), None)]
+        wanted = frozenset(keys)
+        size = len(wanted)
+        # a root path never repeats a block, so the blocks still usable below a node are
+        # simply ``wanted``: nothing on the path above can appear again
+        # entries are expanded lazily: (node, path to its parent, its key)
+        stack: list[tuple[_Node[K], tuple[K, ...], K | None]] = [(self.root, (), None)]
         while stack and budget > 0:
-            node, path, remaining, key = stack.pop()
+            node, path, key = stack.pop()
             if key is not None:
-                if len(path) + len(remaining) <= len(best):
-                    continue  # cannot beat the best path found so far
                 path += (key,)
-                remaining = remaining - {key}
             budget -= 1
             while True:  # follow the path while it does not branch
                 children = node.children
-                if len(children) < len(remaining):
-                    found = [(k, child) for k, child in children.items() if k in remaining]
+                if len(children) < size:
+                    found = [(k, child) for k, child in children.items() if k in wanted]
                 else:
-                    found = [(k, child) for k in remaining if (child := children.get(k)) is not None]
+                    found = [(k, child) for k in wanted if (child := children.get(k)) is not None]
                 if len(found) != 1:
                     break
                 key, node = found[0]
                 path += (key,)
-                remaining = remaining - {key}
             if len(path) > len(best):
                 best = path
-                if not remaining:
+                if len(path) == size:
                     break
             if found:
                 found.sort(key=_by_count_then_key)  # most-shared child explored first
-                stack.extend((child, path, remaining, k) for k, child in found)
+                stack.extend((child, path, k) for k, child in found)
         return list(best)
 
     # ---- updates -----------------------------------------------------------------

@@ -55,7 +55,7 @@ def test_saving_equals_the_greedy_tree(seed: int) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.sets(st.integers(0, 15), min_size=1, max_size=6), min_size=1, max_size=25),
+    st.lists(st.sets(st.integers(0, 15), max_size=6), min_size=1, max_size=25),
     st.sampled_from([0.0, 0.05, 0.5]),
 )
 def test_any_batch_gives_permutations_and_a_consistent_schedule(sets: list[set[int]], penalty: float) -> None:
@@ -77,6 +77,7 @@ def test_heavy_shared_blocks_pair_first() -> None:
 def test_unweighted_by_default_and_edge_cases() -> None:
     assert agglomerate([]).schedule == []
     assert agglomerate([["a", "b"]]).orders == [[0, 1]]
+    assert agglomerate([[], ["a"], ["a", "b"], []]).orders == [[], [0], [0, 1], []]
     disjoint = agglomerate([["a"], ["b"], ["c"]])
     assert sorted(disjoint.schedule) == [0, 1, 2]
     same = [["a", "b", "c"], ["c", "b", "a"]]
