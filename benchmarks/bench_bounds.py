@@ -14,7 +14,7 @@ Sending a batch depth-first through a tree whose nodes hold the blocks their req
 share saves exactly the tokens of the internal nodes (a node with k children k - 1 times),
 so the exact optimum of a neighbourhood is a maximum over its binary trees.
 
-Usage: python benchmarks/bench_bounds.py [--neighbourhoods 12] [--size 11] [--window 30]
+Usage: python benchmarks/bench_bounds.py [--neighbourhoods 20] [--size 12] [--window 30]
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def oracle_online(trace: Sequence[TraceRequest], tokens: dict[str, int], capacit
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--neighbourhoods", type=int, default=12)
-    parser.add_argument("--size", type=int, default=11, help="requests per neighbourhood (exact DP is 3^size)")
+    parser.add_argument("--neighbourhoods", type=int, default=20)
+    parser.add_argument("--size", type=int, default=12, help="requests per neighbourhood (exact DP is 3^size)")
     parser.add_argument("--window", type=int, default=30, help="requests the online oracle sees ahead")
     args = parser.parse_args()
     trace = multihop_trace()
