@@ -99,6 +99,11 @@ class ClusterTree:
         one at minimum Eq. 1 distance; descend only if the request holds all its blocks
         (so its whole prefix is reusable).
         """
+        node, _ = self._descend(keys)
+        return node, node.path
+
+    def _descend(self, keys: Sequence[Hashable]) -> tuple[_Node, _Node | None]:
+        """Alg. 1's matched node, and the closest child the request holds only part of."""
         keyset = set(keys)
         node = self.root
         while node.children:
@@ -114,29 +119,54 @@ class ClusterTree:
                 key=lambda child: (context_distance(child.blocks, keys, self.alpha), child.slot),
             )
             if not best.keyset <= keyset:
-                break
+                return node, best
             node = best
             if node.keyset == keyset:
                 break
-        return node, node.path
+        return node, None
 
     def insert(
         self, request_id: str, keys: Sequence[Hashable]
     ) -> tuple[list[Hashable], tuple[int, ...], tuple[int, ...]]:
         """Place a request (Alg. 1), order it (Alg. 2) and record it.
 
+        When the closest child below the matched node starts with blocks the request
+        holds, those are reused too: the child is split there (the new node holds the
+        blocks both share, as Alg. 4's internal nodes do) and the request goes below it.
+
         Returns:
             The send order, the search path and the path of the node now holding it.
         """
         if request_id in self._node_of:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
-        node, search_path = self.search(keys)
+        node, partial = self._descend(keys)
+        search_path = node.path
+        if partial is not None:
+            node = self._split(node, partial, frozenset(keys))
         if node.keyset != frozenset(keys):
             rest = tuple(key for key in keys if key not in node.keyset)
             node = node.add_child(node.blocks + rest)
         node.request_ids.add(request_id)
         self._node_of[request_id] = node
         return list(node.blocks), search_path, node.path
+
+    @staticmethod
+    def _split(parent: _Node, child: _Node, keyset: frozenset[Hashable]) -> _Node:
+        """Cut ``child`` after its leading blocks in ``keyset``; returns the upper part."""
+        shared = len(parent.blocks)
+        while shared < len(child.blocks) and child.blocks[shared] in keyset:
+            shared += 1
+        if shared == len(parent.blocks):
+            return parent
+        parent.remove_child(child)
+        upper = parent.add_child(child.blocks[:shared])
+        child.slot = upper.next_slot
+        upper.next_slot += 1
+        child.parent = upper
+        upper.children[child.slot] = child
+        for key in child.keyset:
+            upper.by_key.setdefault(key, set()).add(child.slot)
+        return upper
 
     # ---- Alg. 4: a batch -------------------------------------------------------------
     def build(self, batch: Sequence[tuple[str, Sequence[Hashable]]]) -> list[tuple[list[Hashable], tuple[int, ...]]]:

@@ -41,6 +41,22 @@ def test_alg2_outputs_and_fig7_schedule() -> None:
     assert [names[i] for i in schedule] == ["C6", "C8", "C3", "C7"]
 
 
+def test_online_insert_reuses_the_leading_blocks_of_a_partly_held_node() -> None:
+    tree = ClusterTree()
+    assert tree.insert("a", ["1", "2", "3", "4"])[0] == ["1", "2", "3", "4"]
+    # holds 1, 2 and 4 of "a" but not 3: the run 1, 2 is reused, "a" is split after it
+    order, _, leaf_path = tree.insert("b", ["4", "2", "1", "5"])
+    assert order == ["1", "2", "4", "5"]
+    internal = {path: blocks for path, blocks, rids in tree.iter_nodes() if not rids}
+    assert list(internal.values()) == [("1", "2")] and leaf_path[:-1] in internal
+    assert tree.insert("c", ["9", "1"])[0] == ["1", "9"]  # splits again, after "1"
+    tree.check()
+    for rid in ("a", "b", "c"):
+        tree.evict(rid)
+        tree.check()
+    assert list(tree.iter_nodes()) == []
+
+
 def test_identical_sets_collapse_and_eviction_prunes() -> None:
     tree = ClusterTree()
     tree.build([("a", ["1", "2"]), ("b", ["2", "1"]), ("c", ["1", "3"])])
