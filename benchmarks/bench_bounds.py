@@ -26,19 +26,19 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix
+from scipy.sparse import csr_matrix, diags
 from scipy.sparse.csgraph import minimum_spanning_tree
 
 from contextpilot_integrations.index import agglomerate
-from contextpilot_integrations.replay import TraceRequest, multihop_trace, replay, reuse_bound, working_set_tokens
+from contextpilot_integrations.replay import (
+    TraceRequest,
+    block_token_counts,
+    multihop_trace,
+    replay,
+    reuse_bound,
+    working_set_tokens,
+)
 from contextpilot_integrations.simulate import RadixCacheSimulator
-
-
-def weights(trace: Sequence[TraceRequest]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for request in trace:
-        sizes.update(zip(request.blocks, request.token_counts(), strict=True))
-    return sizes
 
 
 def spanning_tree_bound(sets: list[frozenset[str]], tokens: dict[str, int]) -> float:
@@ -47,7 +47,7 @@ def spanning_tree_bound(sets: list[frozenset[str]], tokens: dict[str, int]) -> f
     rows = np.repeat(np.arange(len(sets)), [len(s) for s in sets])
     cols = np.fromiter((keys[k] for s in sets for k in s), dtype=np.int64)
     incidence = csr_matrix((np.ones(len(cols)), (rows, cols)), shape=(len(sets), len(keys)))
-    weighted = incidence @ csr_matrix(np.diag(np.array([tokens[k] for k in tokens], dtype=np.float64)))
+    weighted = incidence @ diags(np.array([tokens[k] for k in tokens], dtype=np.float64))
     overlap = (weighted @ incidence.T).tocoo()
     upper = overlap.row < overlap.col
     graph = csr_matrix((-overlap.data[upper], (overlap.row[upper], overlap.col[upper])), shape=overlap.shape)
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=30, help="requests the online oracle sees ahead")
     args = parser.parse_args()
     trace = multihop_trace()
-    tokens = weights(trace)
+    tokens = block_token_counts(trace)
     sets = [frozenset(r.blocks) for r in trace]
     capacity = working_set_tokens(trace) // 4
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from contextpilot_integrations.replay import (
     ReplayResult,
     TraceRequest,
+    block_token_counts,
     multihop_trace,
     replay,
     reuse_bound,
@@ -94,7 +95,7 @@ def run_upstream(trace: list[TraceRequest]) -> dict:
 
 
 def simulate_orders(trace: list[TraceRequest], orders: list[list[str]], capacity: int) -> float:
-    tokens = {b: t for r in trace for b, t in zip(r.blocks, r.token_counts(), strict=True)}
+    tokens = block_token_counts(trace)
     cache = RadixCacheSimulator(capacity)
     hit = total = 0
     for n, order in enumerate(orders):

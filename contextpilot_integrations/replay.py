@@ -26,6 +26,7 @@ __all__ = [
     "ReplayResult",
     "TraceError",
     "TraceRequest",
+    "block_token_counts",
     "conversation_savings",
     "load_trace",
     "multihop_trace",
@@ -157,12 +158,17 @@ def reuse_bound(trace: Sequence[TraceRequest]) -> float:
     return repeated / total if total else 0.0
 
 
-def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
-    """Tokens of all distinct blocks: a cache this big never has to evict."""
+def block_token_counts(trace: Sequence[TraceRequest]) -> dict[str, int]:
+    """Token count of every distinct block of a trace."""
     sizes: dict[str, int] = {}
     for request in trace:
         sizes.update(zip(request.blocks, request.token_counts(), strict=True))
-    return sum(sizes.values())
+    return sizes
+
+
+def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
+    """Tokens of all distinct blocks: a cache this big never has to evict."""
+    return sum(block_token_counts(trace).values())
 
 
 class _BlockCache:

@@ -8,6 +8,7 @@ import pytest
 from contextpilot_integrations.replay import (
     TraceError,
     TraceRequest,
+    block_token_counts,
     conversation_savings,
     load_trace,
     multihop_trace,
@@ -71,7 +72,7 @@ def test_replay_plan_can_be_checked_with_another_simulator(strategy: str, mode: 
     plan: list[dict[str, object]] = []
     result = replay(trace, strategy, mode, capacity_tokens=200_000, plan_out=plan)
     assert result.requests == 300 and 0 <= result.hit_ratio <= reuse_bound(trace)
-    tokens = {b: t for r in trace for b, t in zip(r.blocks, r.token_counts(), strict=True)}
+    tokens = block_token_counts(trace)
     by_id = {r.id: r for r in trace}
     # an independent check: re-serve the written plan; same hits, nothing lost
     sim = RadixCacheSimulator(200_000)

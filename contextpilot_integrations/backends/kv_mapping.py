@@ -14,8 +14,9 @@ guards it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 __all__ = ["EngineBlockMap"]
 
@@ -201,15 +202,19 @@ class EngineBlockMap:
             self._holders[block_hash].add(request_id)
 
     def _release(self, block_hash: int, request_id: str) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is not None:
-            holders.discard(request_id)
-            if not holders:
-                del self._holders[block_hash]
+        _discard(self._holders, block_hash, request_id)
 
     def _unwait(self, key: PageKey, request_id: str) -> None:
-        waiting = self._waiting.get(key)
-        if waiting is not None:
-            waiting.discard(request_id)
-            if not waiting:
-                del self._waiting[key]
+        _discard(self._waiting, key, request_id)
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _discard(index: MutableMapping[K, set[str]], key: K, request_id: str) -> None:
+    """Drop ``request_id`` from ``index[key]``, and the entry once it is empty."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(request_id)
+        if not members:
+            del index[key]

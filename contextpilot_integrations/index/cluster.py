@@ -37,9 +37,14 @@ class _Node:
         self.request_ids: set[str] = set()
 
     def add_child(self, child_blocks: tuple[Hashable, ...]) -> _Node:
-        child = _Node(child_blocks, self, self.next_slot)
-        self.children[child.slot] = child
+        return self.adopt(_Node(child_blocks, self, 0))
+
+    def adopt(self, child: _Node) -> _Node:
+        """Make ``child`` (new, or detached by :meth:`remove_child`) a child of this node."""
+        child.parent = self
+        child.slot = self.next_slot
         self.next_slot += 1
+        self.children[child.slot] = child
         for key in child.keyset:
             self.by_key.setdefault(key, set()).add(child.slot)
         return child
@@ -160,12 +165,7 @@ class ClusterTree:
             return parent
         parent.remove_child(child)
         upper = parent.add_child(child.blocks[:shared])
-        child.slot = upper.next_slot
-        upper.next_slot += 1
-        child.parent = upper
-        upper.children[child.slot] = child
-        for key in child.keyset:
-            upper.by_key.setdefault(key, set()).add(child.slot)
+        upper.adopt(child)
         return upper
 
     # ---- Alg. 4: a batch -------------------------------------------------------------

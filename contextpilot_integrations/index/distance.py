@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix
 
 __all__ = ["ALPHA", "condensed_distances", "context_distance"]
 
@@ -35,8 +34,7 @@ def condensed_distances(contexts: Sequence[Sequence[int]], alpha: float = ALPHA)
 
     Work is proportional to the number of (pair, shared block) incidences plus the size of
     the output: pairs are enumerated per block posting list, grouped by list length so
-    each group is one numpy operation. With ``alpha == 0`` (overlap only) the shared
-    counts come from one sparse product instead, which is much faster.
+    each group is one numpy operation.
 
     Args:
         contexts: each context's block numbers (dense ints) in retrieval order.
@@ -46,8 +44,6 @@ def condensed_distances(contexts: Sequence[Sequence[int]], alpha: float = ALPHA)
     if size == 0:
         return np.zeros(0, dtype=np.float64)
     lengths = np.fromiter((len(c) for c in contexts), dtype=np.int64, count=m)
-    if alpha == 0:
-        return _overlap_distances(contexts, lengths)
     owner = np.repeat(np.arange(m, dtype=np.int64), lengths)
     block = np.fromiter((k for c in contexts for k in c), dtype=np.int64, count=int(lengths.sum()))
     position = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]) if m else owner
@@ -75,22 +71,6 @@ def condensed_distances(contexts: Sequence[Sequence[int]], alpha: float = ALPHA)
     distance = np.ones(size, dtype=np.float64)
     hit = shared > 0
     distance[hit] = 1.0 - shared[hit] / longest[hit] + alpha * (shift[hit] / shared[hit])
-    return distance
-
-
-def _overlap_distances(contexts: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
-    """1 - |shared| / max(len_i, len_j) for every pair, from a sparse product."""
-    m = lengths.size
-    rows = np.repeat(np.arange(m), lengths)
-    cols = np.fromiter((k for c in contexts for k in c), dtype=np.int64, count=int(lengths.sum()))
-    vocabulary = int(cols.max()) + 1 if cols.size else 1
-    incidence = csr_matrix((np.ones(cols.size, dtype=np.float32), (rows, cols)), shape=(m, vocabulary))
-    shared = (incidence @ incidence.T).toarray()
-    iu = np.triu_indices(m, 1)
-    longest = np.maximum(lengths[iu[0]], lengths[iu[1]]).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        distance = 1.0 - shared[iu] / longest
-    distance[longest == 0] = 1.0
     return distance
 
 

@@ -25,7 +25,7 @@ def test_vectorised_equals_scalar(contexts: list[list[int]]) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 20), min_size=0, max_size=8, unique=True), min_size=2, max_size=12))
-def test_overlap_only_path_equals_scalar(contexts: list[list[int]]) -> None:
+def test_overlap_only_distances_equal_scalar(contexts: list[list[int]]) -> None:
     matrix = squareform(condensed_distances(contexts, alpha=0.0))
     for i in range(len(contexts)):
         for j in range(i + 1, len(contexts)):
