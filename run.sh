@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
-VENV="${VENV:-.venv}"
+VENV="$(realpath -m "${VENV:-.venv}")"  # absolute: pip builds sdists from other directories
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
