@@ -124,8 +124,10 @@ def normalize_blocks(items: Iterable[BlockLike]) -> tuple[list[Block], list[str]
     Returns:
         The blocks in retrieval order, and the ids of merged duplicates.
     """
-    if isinstance(items, (str, bytes, Mapping)):
+    if isinstance(items, (str, bytes, Mapping, Block)):
         raise BlockTypeError("blocks must be a sequence of blocks, not a single value")
+    if not isinstance(items, Iterable):
+        raise BlockTypeError(f"blocks must be a sequence of blocks (Block, str or mapping), got {type(items).__name__}")
     items = list(items)
     if all(type(item) is Block and item.rank is None for item in items):
         by_id = {item.id: item for item in items}  # type: ignore[union-attr]

@@ -1,9 +1,16 @@
 """Per-conversation de-duplication (the paper's Alg. 3), bounded in memory.
 
 A block already sent in full in an earlier turn becomes a location reference, but only
-while that turn is still in the history the caller sends; otherwise it is sent again and
-this turn becomes its carrier. Conversations end explicitly, expire after ``ttl`` seconds
-without a turn, and the least recently used ones are dropped beyond ``max_conversations``.
+while that turn is still in the history the caller sends, and only if it is the same
+text: a document updated under the same id is sent again in full, and from then on that
+id is always sent in full in this conversation (the history now holds two texts under one
+label, so a reference could point at either). Conversations end explicitly, expire after
+``ttl`` seconds without a turn, and the least recently used ones are dropped beyond
+``max_conversations``.
+
+Deciding and recording are two steps (:meth:`ConversationStore.split`, then
+:meth:`ConversationStore.record`), so a caller can validate everything else in between
+and a call that raises leaves nothing behind.
 
 Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` guards it.
 """
@@ -23,7 +30,8 @@ __all__ = ["ConversationStore", "Deduplication"]
 @dataclass
 class _Conversation:
     turns: int = 0
-    carrier: dict[str, int] = field(default_factory=dict)  # block id -> turn that sent it in full
+    carrier: dict[str, tuple[int, int]] = field(default_factory=dict)  # block id -> (turn, text fingerprint)
+    ambiguous: set[str] = field(default_factory=set)  # ids seen with two texts: always sent in full
     last_used: float = 0.0
 
 
@@ -31,9 +39,17 @@ class _Conversation:
 class Deduplication:
     """The outcome for one turn: what to send, what to refer to, and where it was sent."""
 
+    conversation_id: str
     turn: int
     fresh: list[Block]
     repeated: list[tuple[Block, int]]  # (block, turn that carries it)
+    updated: tuple[str, ...] = ()
+    """Ids an earlier turn carried with a different text (sent in full again)."""
+
+
+def _fingerprint(block: Block) -> int:
+    """The text's identity; ``str`` caches its hash, so this is free after the first use."""
+    return hash(block.text)
 
 
 class ConversationStore:
@@ -60,10 +76,52 @@ class ConversationStore:
         self._expire()
         return conversation_id in self._conversations
 
-    def turns(self, conversation_id: str) -> int:
-        """How many turns this conversation has had (0 if unknown)."""
-        conversation = self._conversations.get(conversation_id)
-        return conversation.turns if conversation else 0
+    def split(
+        self,
+        conversation_id: str,
+        blocks: Sequence[Block],
+        kept_turns: Collection[int] | None = None,
+    ) -> Deduplication:
+        """Split a turn's blocks into fresh ones and references; records nothing.
+
+        Args:
+            kept_turns: the earlier turns (0-based) still in the history the caller sends;
+                ``None`` means all of them.
+        """
+        self._expire()
+        conversation = self._conversations.get(conversation_id) or _Conversation()
+        fresh: list[Block] = []
+        repeated: list[tuple[Block, int]] = []
+        updated: list[str] = []
+        for block in blocks:
+            carried = conversation.carrier.get(block.id)
+            if carried is None or block.id in conversation.ambiguous:
+                fresh.append(block)
+            elif carried[1] != _fingerprint(block):
+                fresh.append(block)
+                updated.append(block.id)
+            elif kept_turns is None or carried[0] in kept_turns:
+                repeated.append((block, carried[0]))
+            else:
+                fresh.append(block)
+        return Deduplication(conversation_id, conversation.turns, fresh, repeated, tuple(updated))
+
+    def record(self, dedup: Deduplication) -> None:
+        """Record a turn decided by :meth:`split`: its fresh blocks are now carried by it."""
+        conversation = self._conversations.get(dedup.conversation_id)
+        if conversation is None:
+            conversation = self._conversations[dedup.conversation_id] = _Conversation()
+            while len(self._conversations) > self.max_conversations:
+                self._conversations.popitem(last=False)
+        else:
+            self._conversations.move_to_end(dedup.conversation_id)
+        if conversation.turns != dedup.turn:
+            raise RuntimeError("the conversation moved on between split() and record()")
+        conversation.ambiguous.update(dedup.updated)
+        for block in dedup.fresh:
+            conversation.carrier[block.id] = (dedup.turn, _fingerprint(block))
+        conversation.turns += 1
+        conversation.last_used = self._clock()
 
     def deduplicate(
         self,
@@ -71,33 +129,10 @@ class ConversationStore:
         blocks: Sequence[Block],
         kept_turns: Collection[int] | None = None,
     ) -> Deduplication:
-        """Split a turn's blocks into fresh ones and references, and record the turn.
-
-        Args:
-            kept_turns: the earlier turns (0-based) still in the history the caller sends;
-                ``None`` means all of them.
-        """
-        self._expire()
-        conversation = self._conversations.get(conversation_id)
-        if conversation is None:
-            conversation = self._conversations[conversation_id] = _Conversation()
-            while len(self._conversations) > self.max_conversations:
-                self._conversations.popitem(last=False)
-        else:
-            self._conversations.move_to_end(conversation_id)
-        turn = conversation.turns
-        fresh: list[Block] = []
-        repeated: list[tuple[Block, int]] = []
-        for block in blocks:
-            carrier = conversation.carrier.get(block.id)
-            if carrier is not None and (kept_turns is None or carrier in kept_turns):
-                repeated.append((block, carrier))
-            else:
-                fresh.append(block)
-                conversation.carrier[block.id] = turn
-        conversation.turns += 1
-        conversation.last_used = self._clock()
-        return Deduplication(turn, fresh, repeated)
+        """:meth:`split`, then :meth:`record`: one turn, decided and recorded."""
+        dedup = self.split(conversation_id, blocks, kept_turns)
+        self.record(dedup)
+        return dedup
 
     def forget_turn(self, conversation_id: str, turn: int) -> int:
         """A turn never reached the model: blocks it carried are no longer seen.
@@ -107,7 +142,7 @@ class ConversationStore:
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             return 0
-        carried = [block_id for block_id, carrier in conversation.carrier.items() if carrier == turn]
+        carried = [block_id for block_id, (carrier, _) in conversation.carrier.items() if carrier == turn]
         for block_id in carried:
             del conversation.carrier[block_id]
         return len(carried)
@@ -115,9 +150,6 @@ class ConversationStore:
     def end(self, conversation_id: str) -> bool:
         """Forget a conversation; returns whether it was tracked."""
         return self._conversations.pop(conversation_id, None) is not None
-
-    def clear(self) -> None:
-        self._conversations.clear()
 
     def _expire(self) -> None:
         if self.ttl is None:

@@ -137,6 +137,7 @@ class ContextPilot:
         self._live: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
         self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
         self._orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
+        self._reserved: set[str] = set()  # ids of a batch being planned
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
@@ -173,8 +174,10 @@ class ContextPilot:
         """
         normalized, merged = normalize_blocks(blocks)
         _check_query(query)
+        _check_conversation_id(conversation_id)
+        kept = _check_kept_turns(kept_turns)
         with self._lock:
-            return self._prepare_locked(normalized, merged, query, conversation_id, kept_turns, request_id, None)
+            return self._prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
 
     async def aprepare(
         self,
@@ -191,9 +194,8 @@ class ContextPilot:
     def _new_request_id(self, request_id: str | None) -> str:
         if request_id is None:
             return f"{self._id_prefix}{next(self._ids)}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty str")
-        if request_id in self._live:
+        _check_request_id(request_id)
+        if request_id in self._live or request_id in self._reserved:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
         return request_id
 
@@ -208,13 +210,15 @@ class ContextPilot:
         planned_order: list[str] | None,
         batch_index: int | None = None,
     ) -> PreparedRequest:
+        # decide everything first; record only once nothing can raise any more
         rid = self._new_request_id(request_id)
         by_id = {block.id: block for block in blocks}
         turn: int | None = None
         fresh = blocks
         references = ()
+        dedup = None
         if conversation_id is not None:
-            dedup = self._conversations.deduplicate(conversation_id, blocks, kept_turns)
+            dedup = self._conversations.split(conversation_id, blocks, kept_turns)
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple(make_reference(b, t, self.templates) for b, t in dedup.repeated)
         cached_blocks = cached_tokens = 0
@@ -233,6 +237,8 @@ class ContextPilot:
             self._live[rid] = None
             self._orders[rid] = tuple(order)
             self._enforce_bound()
+        if dedup is not None:
+            self._conversations.record(dedup)
         counters = self._counters
         counters.prepared += 1
         counters.blocks_sent += len(sent)
@@ -265,43 +271,69 @@ class ContextPilot:
         position in the input as ``batch_index``. Turns of one conversation keep their
         relative order (they take the schedule slots of that conversation, in turn order).
 
+        The batch is planned outside the lock, so concurrent :meth:`prepare` calls are not
+        held up by a long plan; the planned requests then enter the index in small steps.
+
         Raises:
-            InvalidBlockError, BlockTypeError: for any bad request (naming its index);
-                nothing is recorded then.
+            InvalidBlockError, BlockTypeError, DuplicateRequestError: for any bad request
+                (naming its index); nothing is recorded then: a batch is all or nothing.
         """
         items = [_batch_request(item, index) for index, item in enumerate(requests)]
         normalized = []
+        kept_turns = []
         for index, item in enumerate(items):
             try:
                 normalized.append(normalize_blocks(item.blocks))
                 _check_query(item.query)
+                _check_conversation_id(item.conversation_id)
+                kept_turns.append(_check_kept_turns(item.kept_turns))
+                if item.request_id is not None:
+                    _check_request_id(item.request_id)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request #{index}: {exc}") from exc
-        with self._lock, _gc_paused():
-            ids = [self._new_request_id(item.request_id) for item in items]
+        with self._lock:
+            ids = []
+            for index, item in enumerate(items):
+                try:
+                    ids.append(self._new_request_id(item.request_id))
+                except DuplicateRequestError as exc:
+                    raise DuplicateRequestError(f"request #{index}: {exc}") from exc
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
+            self._reserved.update(ids)  # no concurrent prepare can take them meanwhile
+        try:
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
             tokens = {block.id: block.token_count for blocks, _ in normalized for block in blocks}
-            orders, schedule = self._strategy.plan(batch, tokens)
-            schedule = _keep_turn_order(schedule, [item.conversation_id for item in items])
-            prepared = []
-            steps = tqdm(schedule, desc="planning", unit="req", disable=not progress)
-            for index in steps:
-                item, (blocks, merged) = items[index], normalized[index]
-                prepared.append(
-                    self._prepare_locked(
-                        blocks,
-                        merged,
-                        item.query,
-                        item.conversation_id,
-                        item.kept_turns,
-                        ids[index],
-                        orders[index],
-                        index,
-                    )
-                )
+            with _gc_paused():
+                planned = self._strategy.plan(batch, tokens)
+            schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
+            prepared: list[PreparedRequest] = []
+            steps = tqdm(total=len(schedule), desc="planning", unit="req", disable=not progress)
+            with steps:
+                for start in range(0, max(len(schedule), 1), _COMMIT_STEP):
+                    with self._lock:
+                        if start == 0:
+                            self._strategy.commit(planned, batch)
+                        for index in schedule[start : start + _COMMIT_STEP]:
+                            item, (blocks, merged) = items[index], normalized[index]
+                            self._reserved.discard(ids[index])
+                            prepared.append(
+                                self._prepare_locked(
+                                    blocks,
+                                    merged,
+                                    item.query,
+                                    item.conversation_id,
+                                    kept_turns[index],
+                                    ids[index],
+                                    planned.orders[index],
+                                    index,
+                                )
+                            )
+                    steps.update(min(_COMMIT_STEP, len(schedule) - start))
             return prepared
+        finally:
+            with self._lock:
+                self._reserved.difference_update(ids)
 
     async def aplan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
         """Async variant of :meth:`plan`, run in a worker thread."""
@@ -316,6 +348,10 @@ class ContextPilot:
         """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            if not isinstance(rid, str):
+                raise TypeError(f"request ids must be str, got {type(rid).__name__}")
         with self._lock:
             evicted = 0
             for rid in request_ids:
@@ -334,8 +370,7 @@ class ContextPilot:
         (its order is remembered, so :meth:`restore` can bring it back). Returns whether
         the request was live.
         """
-        if cached_blocks < 0:
-            raise ValueError("cached_blocks must be >= 0")
+        _check_count("cached_blocks", cached_blocks)
         with self._lock:
             if request_id not in self._live:
                 return False
@@ -354,6 +389,8 @@ class ContextPilot:
         confirms a block is back, the prediction comes back too. ``None`` means all of
         them. Returns whether the request's order was known.
         """
+        if cached_blocks is not None:
+            _check_count("cached_blocks", cached_blocks)
         with self._lock:
             order = self._orders.get(request_id)
             if order is None:
@@ -376,11 +413,19 @@ class ContextPilot:
         with self._lock:
             self._counters.evicted += len(self._live)
             self._live.clear()
+            self._orders.clear()
             self._trie.clear()
             self._strategy.reset()
 
     def record_usage(self, prepared: PreparedRequest, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        """Add the engine's own token accounting for a served request to the statistics."""
+        """Add the engine's own token accounting for a served request to the statistics.
+
+        Raises:
+            TypeError, ValueError: a count is not a non-negative int (nothing is recorded).
+        """
+        for name, value in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)):
+            if value is not None:
+                _check_count(name, value)
         with self._lock:
             counters = self._counters
             counters.engine_requests += 1
@@ -503,9 +548,44 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
+_COMMIT_STEP = 64
+"""Planned requests entered into the index per hold of the lock (about 2 ms)."""
+
+
 def _check_query(query: object) -> None:
     if not isinstance(query, str):
         raise BlockTypeError(f"query must be str, got {type(query).__name__}")
+
+
+def _check_conversation_id(conversation_id: object) -> None:
+    if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id):
+        raise TypeError(f"conversation_id must be a non-empty str or None, got {conversation_id!r}")
+
+
+def _check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    """A count of blocks or tokens: an int >= 0 (not a bool, a float or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_kept_turns(kept_turns: object) -> frozenset[int] | None:
+    """``None`` or a collection of turn numbers (ints >= 0), as a frozenset."""
+    if kept_turns is None:
+        return None
+    if isinstance(kept_turns, (str, bytes, Mapping)) or not isinstance(kept_turns, Iterable):
+        raise TypeError(f"kept_turns must be a collection of turn numbers (e.g. {{0, 2}}) or None, got {kept_turns!r}")
+    turns = list(kept_turns)
+    for turn in turns:
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+            raise TypeError(f"kept_turns must hold turn numbers (ints >= 0), got {turn!r}")
+    return frozenset(turns)
 
 
 def _batch_request(item: BatchItem, index: int) -> BatchRequest:

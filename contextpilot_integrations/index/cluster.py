@@ -12,6 +12,7 @@ Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` gua
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
@@ -109,26 +110,50 @@ class ClusterTree:
 
     def _descend(self, keys: Sequence[Hashable]) -> tuple[_Node, _Node | None]:
         """Alg. 1's matched node, and the closest child the request holds only part of."""
-        keyset = set(keys)
+        keyset = frozenset(keys)
         node = self.root
         while node.children:
-            slots: set[int] = set()
-            for key in keyset:
-                found = node.by_key.get(key)
-                if found:
-                    slots |= found
-            if not slots:
+            best = self._closest_child(node, keys, keyset)
+            if best is None:
                 break
-            best = min(
-                (node.children[s] for s in slots),
-                key=lambda child: (context_distance(child.blocks, keys, self.alpha), child.slot),
-            )
             if not best.keyset <= keyset:
                 return node, best
             node = best
             if node.keyset == keyset:
                 break
         return node, None
+
+    def _closest_child(self, node: _Node, keys: Sequence[Hashable], keyset: frozenset[Hashable]) -> _Node | None:
+        """The child at minimum Eq. 1 distance (ties: lowest slot) among those sharing a block.
+
+        Exact, without reading every child that shares a popular block: postings are read
+        rarest first, and reading stops once the closest child seen so far is closer than
+        any unread child could be. A child found only in the ``remaining`` unread postings
+        shares at most ``remaining`` blocks with the request, so its distance is at least
+        ``1 - remaining / len(keys)``.
+        """
+        postings = sorted((found for key in keyset if (found := node.by_key.get(key))), key=len)
+        if not postings:
+            return None
+        size = len(keys)
+        first_term: dict[int, float] = {}  # slot -> 1 - |S| / max(|Ci|, |Cj|), a lower bound of d
+        best_distance = math.inf
+        children = node.children
+        for read, posting in enumerate(postings, start=1):
+            lowest, lowest_slot = math.inf, -1
+            for slot in posting:
+                if slot not in first_term:
+                    child = children[slot]
+                    bound = first_term[slot] = 1.0 - len(child.keyset & keyset) / max(len(child.blocks), size)
+                    if bound < lowest:
+                        lowest, lowest_slot = bound, slot
+            if lowest < best_distance:  # a new candidate might beat the best: its exact distance
+                best_distance = min(best_distance, context_distance(children[lowest_slot].blocks, keys, self.alpha))
+            if read < len(postings) and best_distance >= 1.0 - (len(postings) - read) / size:
+                continue  # an unread child could still be as close: read the next posting
+            break
+        candidates = [children[s] for s, bound in first_term.items() if bound <= best_distance]
+        return min(candidates, key=lambda child: (context_distance(child.blocks, keys, self.alpha), child.slot))
 
     def insert(
         self, request_id: str, keys: Sequence[Hashable]
@@ -234,6 +259,21 @@ class ClusterTree:
             else:
                 stack.append((pair[1], node))
                 stack.append((pair[0], node))
+
+    def graft(self, other: ClusterTree) -> None:
+        """Move every node of ``other`` (a batch built aside) under this tree's root."""
+        for request_id in other._node_of:
+            if request_id in self._node_of:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
+        for child in list(other.root.children.values()):
+            other.root.remove_child(child)
+            self.root.adopt(child)
+        for request_id, node in other._node_of.items():
+            if node is other.root:
+                node = self.root
+            node.request_ids.add(request_id)
+            self._node_of[request_id] = node
+        other.clear()
 
     # ---- eviction ----------------------------------------------------------------------
     def evict(self, request_id: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import UnknownStrategyError
@@ -24,9 +25,29 @@ from .cluster import ClusterTree
 from .greedy import greedy_plan
 from .prefix_trie import PrefixTrie
 
-__all__ = ["STRATEGIES", "PaperStrategy", "RetrievalOrder", "Strategy", "TrieStrategy", "make_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "PaperStrategy",
+    "PlannedBatch",
+    "RetrievalOrder",
+    "Strategy",
+    "TrieStrategy",
+    "make_strategy",
+]
 
 Batch = Sequence[tuple[str, Sequence[str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBatch:
+    """What :meth:`Strategy.plan` returns: each request's send order and the schedule."""
+
+    orders: list[list[str]]
+    """Each request's block keys in send order (same positions as the batch)."""
+    schedule: list[int]
+    """Indices into the batch, in send order."""
+    state: Any = None
+    """Strategy-private result, handed back to :meth:`Strategy.commit`."""
 
 
 class Strategy(ABC):
@@ -41,13 +62,17 @@ class Strategy(ABC):
     def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
         """The send order of one request's blocks (given in retrieval order)."""
 
-    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> tuple[list[list[str]], list[int]]:
-        """Each request's send order and the schedule (indices into ``batch``).
+    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> PlannedBatch:
+        """Each request's send order and the schedule, without changing shared state.
 
-        ``tokens`` gives each block's token count, for strategies that weigh reuse by it.
+        The pilot calls it outside its lock (a big plan takes seconds), then
+        :meth:`commit` under the lock. ``tokens`` gives each block's token count, for
+        strategies that weigh reuse by it. The default keeps every request's order.
         """
-        orders = [self.order(rid, keys) for rid, keys in batch]
-        return orders, list(range(len(batch)))
+        return PlannedBatch([list(keys) for _, keys in batch], list(range(len(batch))))
+
+    def commit(self, planned: PlannedBatch, batch: Batch) -> None:  # noqa: B027 - optional hook
+        """The planned batch enters the index (called under the pilot's lock)."""
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The engine no longer holds this request."""
@@ -84,16 +109,40 @@ class TrieStrategy(Strategy):
 
     name = "trie"
 
-    def __init__(self, trie: PrefixTrie[str], exact_limit: int = 4_000, merge_penalty: float = 0.05) -> None:
+    def __init__(
+        self,
+        trie: PrefixTrie[str],
+        exact_limit: int = 4_000,
+        merge_penalty: float = 0.05,
+        max_tracked_blocks: int = 1_000_000,
+    ) -> None:
         super().__init__(trie)
+        if max_tracked_blocks < 1:
+            raise ValueError("max_tracked_blocks must be at least 1")
         self.exact_limit = exact_limit
         self.merge_penalty = merge_penalty
-        self._requested: dict[str, int] = {}  # block -> requests that carried it
+        self.max_tracked_blocks = max_tracked_blocks
+        self._requested: dict[str, int] = {}  # block -> requests that carried it (decayed)
 
     def _count(self, keys: Sequence[str]) -> None:
         requested = self._requested
         for key in keys:
             requested[key] = requested.get(key, 0) + 1
+        if len(requested) > self.max_tracked_blocks:
+            self._decay()
+
+    def _decay(self) -> None:
+        """Halve every count and drop the blocks left at zero: the map stays bounded, and
+        recent popularity weighs more than old (amortised: runs once per many new blocks)."""
+        self._requested = {key: count >> 1 for key, count in self._requested.items() if count > 1}
+        if len(self._requested) > self.max_tracked_blocks // 2:  # all seen twice or more: keep the top half
+            ranked = sorted(self._requested.items(), key=lambda item: -item[1])
+            self._requested = dict(ranked[: self.max_tracked_blocks // 2])
+
+    @property
+    def tracked_blocks(self) -> int:
+        """Blocks whose request frequency is remembered (at most ``max_tracked_blocks``)."""
+        return len(self._requested)
 
     def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
         self._count(keys)
@@ -101,19 +150,24 @@ class TrieStrategy(Strategy):
         taken = set(head)
         requested = self._requested
         tail = [key for key in keys if key not in taken]
-        tail.sort(key=lambda key: -requested[key])  # stable: retrieval order among equals
+        tail.sort(key=lambda key: -requested.get(key, 0))  # stable: retrieval order among equals
         return head + tail
 
-    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> tuple[list[list[str]], list[int]]:
+    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> PlannedBatch:
         requests = [keys for _, keys in batch]
-        for keys in requests:
-            self._count(keys)
         if len(batch) <= self.exact_limit:
             planned = agglomerate(requests, tokens, self.merge_penalty)
         else:
             planned = greedy_plan(requests)
         orders = [[keys[i] for i in positions] for keys, positions in zip(requests, planned.orders, strict=True)]
-        return orders, planned.schedule
+        return PlannedBatch(orders, planned.schedule)
+
+    def commit(self, planned: PlannedBatch, batch: Batch) -> None:
+        for _, keys in batch:
+            self._count(keys)
+
+    def reset(self) -> None:
+        self._requested = {}
 
 
 class PaperStrategy(Strategy):
@@ -123,18 +177,21 @@ class PaperStrategy(Strategy):
 
     def __init__(self, trie: PrefixTrie[str], **options: Any) -> None:
         super().__init__(trie)
+        self.options = options
         self.tree = ClusterTree(**options)
-        self.last_paths: list[tuple[int, ...]] = []
 
     def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
         order, _, _ = self.tree.insert(request_id, keys)
         return order  # type: ignore[return-value]
 
-    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> tuple[list[list[str]], list[int]]:
-        built = self.tree.build(batch)
-        self.last_paths = [path for _, path in built]
+    def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> PlannedBatch:
+        tree = ClusterTree(**self.options)  # built aside, grafted into the live tree by commit()
+        built = tree.build(batch)
         orders = [reorder(order, keys) for (order, _), (_, keys) in zip(built, batch, strict=True)]
-        return orders, schedule_by_paths(self.last_paths)  # type: ignore[return-value]
+        return PlannedBatch(orders, schedule_by_paths([path for _, path in built]), tree)  # type: ignore[arg-type]
+
+    def commit(self, planned: PlannedBatch, batch: Batch) -> None:
+        self.tree.graft(planned.state)
 
     def forget(self, request_id: str) -> None:
         self.tree.evict(request_id)

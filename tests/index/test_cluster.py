@@ -91,3 +91,21 @@ def test_chunked_build_matches_sizes() -> None:
     built = tree.build([(str(i), [str(i % 4), str(10 + i % 3)]) for i in range(10)])
     assert len(built) == 10 and len(tree) == 10
     tree.check()
+
+
+def test_closest_child_equals_the_full_scan_of_alg1() -> None:
+    """The pruned search reads postings rarest first, yet picks Alg. 1's child exactly."""
+    from contextpilot_integrations.index.distance import context_distance
+
+    rng = random.Random(3)
+    weights = [1 / (b + 1) for b in range(40)]
+    tree = ClusterTree()
+    for n in range(400):
+        tree.insert(f"r{n}", list(dict.fromkeys(rng.choices(range(40), weights, k=rng.randint(1, 9)))))
+    for _ in range(300):
+        keys = list(dict.fromkeys(rng.choices(range(40), weights, k=rng.randint(1, 9))))
+        node = tree.root
+        sharing = [c for c in node.children.values() if c.keyset & set(keys)]
+        expected = min(sharing, key=lambda c: (context_distance(c.blocks, keys), c.slot)) if sharing else None
+        assert tree._closest_child(node, keys, frozenset(keys)) is expected
+    tree.check()
