@@ -3,22 +3,43 @@
 SGLang (through our plugin, :mod:`.sglang_plugin`) POSTs its KV-cache event batches to
 ``/kv-events``; engines that only know request ids POST ``/evict``. Each batch updates
 the :class:`EngineBlockMap` and shortens or drops the affected requests in the pilot.
-A missing sequence number means events were lost: the pilot's index is then reset, since
-it must never predict a hit it cannot confirm. ``AllBlocksCleared`` (engine restart,
-``/flush_cache``) resets it too.
 
-The server is the standard library's threading HTTP server (no hand-written parsing). It
-binds 127.0.0.1 by default, refuses bodies over ``max_body_bytes`` (413) and, when a
-token is set, requests without it (401).
+Sequence numbers, per publisher (one engine process and data-parallel rank):
+
+- the next number: applied;
+- a number already seen (a publisher retrying a batch whose answer it missed): a
+  duplicate, acknowledged and ignored;
+- a number further on: events were lost, so the pilot's index is reset, since it must
+  never predict a hit it cannot confirm;
+- a publisher id not seen before is a new engine process (a restart gets a new id). Its
+  first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
+  which resets the index; a new publisher whose first batch is not number 0 has lost
+  events, which resets it too.
+
+``AllBlocksCleared`` (engine restart, ``/flush_cache``) always resets the index.
+
+The server is the standard library's threading HTTP server (no hand-written parsing),
+hardened for a loopback service a browser could reach: it binds 127.0.0.1 by default and
+needs a non-empty token anywhere else; refuses bodies over ``max_body_bytes`` (413),
+batches over ``max_batch_blocks`` blocks (413), non-JSON content types (415), foreign
+``Host`` headers on a loopback bind and any ``Origin`` header (403: DNS rebinding and
+cross-site requests from browser pages); closes connections idle for ``idle_timeout``
+seconds and, at ``max_connections``, closes the longest-idle one to admit a new client
+(503 when all are busy); and answers every malformed request with 400, never a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import logging
+import math
+import re
+import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Any, Literal
@@ -30,7 +51,13 @@ from .kv_mapping import EngineBlockMap
 
 __all__ = ["EvictionListener", "KvEventBatch", "KvEventSink", "SinkStats"]
 
+logger = logging.getLogger(__name__)
+
 TOKEN_HEADER = "X-ContextPilot-Token"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+BlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
+_HOST = re.compile(r"\[?([^\[\]]+?)\]?(?::[0-9]+)?")
 
 
 class _Event(BaseModel):
@@ -39,8 +66,8 @@ class _Event(BaseModel):
 
 class BlockStoredEvent(_Event):
     type: Literal["BlockStored"]
-    block_hashes: list[int]
-    parent_block_hash: int | None = None
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
     token_ids: list[int]
     block_size: int = Field(gt=0)
     medium: str | None = None
@@ -56,7 +83,7 @@ class BlockStoredEvent(_Event):
 
 class BlockRemovedEvent(_Event):
     type: Literal["BlockRemoved"]
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     medium: str | None = None
 
 
@@ -72,12 +99,16 @@ class KvEventBatch(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, lt=2**63)
     events: list[KvEvent]
-    ts: float | None = None
+    ts: float | None = Field(default=None, allow_inf_nan=False)
     """Publisher's wall-clock time when the batch was published (for latency)."""
-    rank: int = 0
-    publisher: str = "default"
+    rank: int = Field(default=0, ge=0, lt=2**31)
+    publisher: str = Field(default="default", min_length=1, max_length=200)
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(getattr(event, "block_hashes", ())) for event in self.events)
 
 
 class EvictRequest(BaseModel):
@@ -91,12 +122,18 @@ class SinkStats(BaseModel):
 
     batches: int = 0
     events: int = 0
+    duplicate_batches: int = 0
     sequence_gaps: int = 0
     index_resets: int = 0
+    publishers: int = 0
     requests_shortened: int = 0
     requests_evicted: int = 0
+    requests_untracked: int = 0
+    """Requests dropped from the index because the block map's bounds forgot them."""
     unknown_request_ids: int = 0
     rejected: int = 0
+    connections_refused: int = 0
+    idle_connections_closed: int = 0
     tracked_requests: int = 0
     engine_blocks: int = 0
     latency_p50_ms: float | None = None
@@ -104,50 +141,77 @@ class SinkStats(BaseModel):
 
 
 class KvEventSink:
-    """Applies event batches and evictions to a pilot (thread-safe)."""
+    """Applies event batches and evictions to a pilot (thread-safe).
 
-    def __init__(self, pilot: ContextPilot, block_map: EngineBlockMap | None = None) -> None:
+    Transport-neutral: the HTTP listener and the ZMQ subscriber both feed it.
+
+    Args:
+        pilot: the pilot whose index the events keep true.
+        block_map: engine blocks <-> request ids (bounded; see :class:`EngineBlockMap`).
+        max_publishers: sequence numbers remembered for at most this many publishers
+            (least recently heard forgotten first).
+    """
+
+    def __init__(
+        self, pilot: ContextPilot, block_map: EngineBlockMap | None = None, *, max_publishers: int = 1_024
+    ) -> None:
         self.pilot = pilot
-        self.block_map = block_map or EngineBlockMap()
+        self.block_map = block_map if block_map is not None else EngineBlockMap()  # an empty map is falsy
+        self.max_publishers = max_publishers
         self._lock = threading.Lock()
-        self._last_seq: dict[tuple[str, int], int] = {}
+        self._last_seq: OrderedDict[tuple[str, int], int] = OrderedDict()
         self._stats = SinkStats()
         self._latencies: deque[float] = deque(maxlen=10_000)
 
     def track(self, request_id: str, token_ids: Iterable[int], block_ends: Iterable[int] | None = None) -> None:
         """Record a sent request's prompt token ids (and where each of its blocks ends)."""
+        tokens = list(token_ids)
+        ends = list(block_ends) if block_ends is not None else None
         with self._lock:
-            self.block_map.track(request_id, list(token_ids), list(block_ends) if block_ends is not None else None)
+            self.block_map.track(request_id, tokens, ends)
+            self._evict_untracked()
 
-    def apply(self, batch: KvEventBatch) -> None:
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request (it failed, or the pilot forgot it)."""
+        with self._lock:
+            self.block_map.forget(request_id)
+
+    def apply(self, batch: KvEventBatch) -> bool:
+        """Apply one batch; returns False for a duplicate (already applied) batch."""
         with self._lock:
             stats = self._stats
             source = (batch.publisher, batch.rank)
             last = self._last_seq.get(source)
+            if last is not None and batch.seq <= last:
+                stats.duplicate_batches += 1
+                return False
             if (last is not None and batch.seq != last + 1) or (
                 last is None and batch.seq > 0 and self.pilot.stats().live_requests
             ):
                 stats.sequence_gaps += 1
                 self._reset()  # events were lost: predict nothing we cannot confirm
             self._last_seq[source] = batch.seq
+            self._last_seq.move_to_end(source)
+            while len(self._last_seq) > self.max_publishers:
+                self._last_seq.popitem(last=False)
+            stats.publishers = len(self._last_seq)
             for event in batch.events:
                 if isinstance(event, BlockStoredEvent):
-                    grown = self.block_map.stored(
+                    grown, shortened = self.block_map.stored(
                         event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.medium
                     )
                     for request_id, tokens in grown.items():
                         self.pilot.restore(request_id, self.block_map.blocks_within(request_id, tokens))
+                    self._shorten(shortened)
                 elif isinstance(event, BlockRemovedEvent):
-                    for request_id, tokens in self.block_map.removed(event.block_hashes, event.medium).items():
-                        keep = self.block_map.blocks_within(request_id, tokens)
-                        if keep is not None and self.pilot.truncate(request_id, keep):
-                            stats.requests_shortened += 1
+                    self._shorten(self.block_map.removed(event.block_hashes, event.medium))
                 else:
                     self._reset()
             stats.batches += 1
             stats.events += len(batch.events)
             if batch.ts is not None:
                 self._latencies.append(max(0.0, time.time() - batch.ts))
+            return True
 
     def evict(self, request_ids: list[str]) -> int:
         with self._lock:
@@ -158,9 +222,13 @@ class KvEventSink:
             self._stats.unknown_request_ids += len(set(request_ids)) - known
             return known
 
-    def reject(self) -> None:
+    def count(self, name: str) -> None:
+        """Add one to a counter of :class:`SinkStats` (refusals, closed connections)."""
         with self._lock:
-            self._stats.rejected += 1
+            setattr(self._stats, name, getattr(self._stats, name) + 1)
+
+    def reject(self) -> None:
+        self.count("rejected")
 
     def stats(self) -> SinkStats:
         with self._lock:
@@ -174,6 +242,17 @@ class KvEventSink:
                 update["latency_p99_ms"] = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
             return self._stats.model_copy(update=update)
 
+    def _shorten(self, cached: dict[str, int]) -> None:
+        for request_id, tokens in cached.items():
+            keep = self.block_map.blocks_within(request_id, tokens)
+            if keep is not None and self.pilot.truncate(request_id, keep):
+                self._stats.requests_shortened += 1
+
+    def _evict_untracked(self) -> None:
+        dropped = self.block_map.take_dropped()
+        if dropped:
+            self._stats.requests_untracked += self.pilot.evict(dropped)
+
     def _reset(self) -> None:
         self.block_map.cleared()
         self.pilot.reset()
@@ -181,10 +260,100 @@ class KvEventSink:
 
 
 class _Server(ThreadingHTTPServer):
+    """Thread per connection, with a bounded, idle-aware connection table."""
+
     daemon_threads = True
-    sink: KvEventSink
-    token: str | None
-    max_body_bytes: int
+    request_queue_size = 1_024  # listen backlog: bursts of publishers are queued, not reset
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        sink: KvEventSink,
+        *,
+        token: str | None,
+        max_body_bytes: int,
+        max_batch_blocks: int,
+        max_connections: int,
+        idle_timeout: float,
+        loopback: bool,
+    ) -> None:
+        super().__init__(address, _Handler)
+        self.sink = sink
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        self.max_batch_blocks = max_batch_blocks
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.loopback = loopback
+        self.stopped = False
+        self._connections: dict[socket.socket, float | None] = {}  # socket -> idle since (None: busy)
+        self._table_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._table_lock:
+            if self.stopped:
+                self._refuse(request)
+                return
+            if len(self._connections) >= self.max_connections:
+                idle = [(since, sock) for sock, since in self._connections.items() if since is not None]
+                if not idle:
+                    self._refuse(request)
+                    return
+                _, victim = min(idle, key=lambda item: item[0])
+                self._connections.pop(victim)
+                _close_quietly(victim)
+                self.sink.count("idle_connections_closed")
+            self._connections[request] = time.monotonic()
+        super().process_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that vanished mid-request (or a connection closed by stop()): no traceback
+        logger.debug("contextpilot listener: connection from %s ended with an error", client_address, exc_info=True)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._table_lock:
+            self._connections.pop(request, None)
+        super().shutdown_request(request)
+
+    def mark(self, connection: socket.socket, busy: bool) -> None:
+        with self._table_lock:
+            if connection in self._connections:
+                self._connections[connection] = None if busy else time.monotonic()
+
+    def close_all(self) -> None:
+        with self._table_lock:
+            self.stopped = True
+            connections = list(self._connections)
+            self._connections.clear()
+        for connection in connections:
+            _close_quietly(connection)
+
+    def _refuse(self, request: socket.socket) -> None:
+        self.sink.count("connections_refused")
+        body = b'{"error": "too many connections"}'
+        head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        try:
+            request.settimeout(0.2)
+            request.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+        except OSError:
+            pass
+        _close_quietly(request)
+
+
+def _close_quietly(connection: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} is not allowed")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -193,11 +362,25 @@ class _Handler(BaseHTTPRequestHandler):
     wbufsize = -1  # headers and body leave in one segment (no delayed-ACK stalls)
     disable_nagle_algorithm = True
 
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout  # applied to the socket by the base setup()
+        super().setup()
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.mark(self.connection, busy=False)
+
+    def parse_request(self) -> bool:
+        self.server.mark(self.connection, busy=True)  # the request line came: not idle
+        return super().parse_request()
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: counted in /stats instead
 
     def do_GET(self) -> None:
-        if not self._authorised():
+        if not self._admitted():
             return
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
@@ -208,66 +391,87 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
 
     def do_POST(self) -> None:
-        if not self._authorised():
-            return
-        if self.path not in ("/kv-events", "/evict"):
-            self._drain()
-            self._reply(404, {"error": f"no such endpoint: POST {self.path}"})
-            return
-        body = self._body()
-        if body is None:
+        if not self._admitted():
             return
         sink = self.server.sink
         try:
-            payload = json.loads(body)
+            if self.path not in ("/kv-events", "/evict"):
+                self._drain()
+                raise _BadRequest(404, f"no such endpoint: POST {self.path}")
+            content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                self._drain()
+                raise _BadRequest(415, "Content-Type must be application/json")
+            payload = self._json()
+            if self.server.stopped:
+                raise _BadRequest(503, "the listener is stopping")
             if self.path == "/kv-events":
-                sink.apply(KvEventBatch.model_validate(payload))
-                self._reply(200, {"status": "ok"})
+                batch = KvEventBatch.model_validate(payload)
+                if batch.block_count > self.server.max_batch_blocks:
+                    raise _BadRequest(413, f"batch over {self.server.max_batch_blocks} blocks")
+                applied = sink.apply(batch)
+                self._reply(200, {"status": "ok" if applied else "duplicate"})
             else:
                 known = sink.evict(EvictRequest.model_validate(payload).request_ids)
                 self._reply(200, {"evicted": known})
-        except json.JSONDecodeError as exc:
+        except _BadRequest as exc:
             sink.reject()
-            self._reply(400, {"error": f"malformed JSON: {exc.msg}"})
+            self._reply(exc.status, {"error": str(exc)}, close=exc.status in (411, 413, 503))
         except ValidationError as exc:
             sink.reject()
             error = exc.errors()[0]
             where = ".".join(str(part) for part in error["loc"])
             self._reply(400, {"error": f"invalid {self.path[1:]} body: {where}: {error['msg']}"})
+        except RecursionError:
+            sink.reject()
+            self._reply(400, {"error": "body nested too deeply"})
+        except Exception:  # never a traceback and a dropped connection: log, answer 500
+            logger.exception("contextpilot listener: applying %s failed", self.path)
+            sink.reject()
+            self._reply(500, {"error": "internal error; see the server log"}, close=True)
 
-    def _authorised(self) -> bool:
-        token = self.server.token
-        if token is None:
+    def _admitted(self) -> bool:
+        """Stopped, foreign Host or Origin, wrong token: refused before anything else."""
+        server = self.server
+        status, message = 0, ""
+        if server.stopped:
+            status, message = 503, "the listener is stopping"
+        elif self.headers.get("Origin") is not None:
+            status, message = 403, "requests from browser pages (an Origin header) are refused"
+        elif server.loopback and not _loopback_host(self.headers.get("Host")):
+            status, message = 403, "Host must be a loopback address"
+        elif server.token is not None:
+            given = self.headers.get(TOKEN_HEADER) or self.headers.get("Authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode(), server.token.encode()):
+                status, message = 401, "missing or wrong token"
+        if not status:
             return True
-        given = self.headers.get(TOKEN_HEADER) or self.headers.get("Authorization", "").removeprefix("Bearer ")
-        if hmac.compare_digest(given.encode(), token.encode()):
-            return True
-        self.server.sink.reject()
+        server.sink.reject()
         self._drain()
-        self._reply(401, {"error": "missing or wrong token"})
+        self._reply(status, {"error": message}, close=status == 503)
         return False
 
-    def _body(self) -> bytes | None:
+    def _json(self) -> Any:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.server.sink.reject()
-            self._reply(411, {"error": "Content-Length required"}, close=True)
-            return None
+        if length is None or not _CONTENT_LENGTH.fullmatch(length):
+            raise _BadRequest(411, "Content-Length required (a decimal number)")
         if int(length) > self.server.max_body_bytes:
-            self.server.sink.reject()
-            self._reply(413, {"error": f"body over {self.server.max_body_bytes} bytes"}, close=True)
-            return None
-        return self.rfile.read(int(length))
+            raise _BadRequest(413, f"body over {self.server.max_body_bytes} bytes")
+        body = self.rfile.read(int(length))
+        try:
+            return json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise _BadRequest(400, f"malformed JSON: {getattr(exc, 'msg', exc)}") from None
 
     def _drain(self) -> None:
         length = self.headers.get("Content-Length", "0")
-        if length.isdigit() and int(length) <= self.server.max_body_bytes:
+        if _CONTENT_LENGTH.fullmatch(length) and int(length) <= self.server.max_body_bytes:
             self.rfile.read(int(length))
         else:
             self.close_connection = True
 
     def _reply(self, status: int, payload: dict[str, Any], close: bool = False) -> None:
-        data = json.dumps(payload).encode()
+        data = json.dumps(payload, allow_nan=False).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -278,18 +482,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def _loopback_host(header: str | None) -> bool:
+    if header is None:
+        return True  # HTTP/1.0 clients send none; browsers always do
+    match = _HOST.fullmatch(header.strip())
+    return bool(match) and match.group(1).lower() in LOOPBACK_HOSTS  # type: ignore[union-attr]
+
+
 class EvictionListener:
     """The callback server, in a background thread. Use as a context manager or call
     :meth:`stop`.
 
     Args:
         pilot: the pilot whose index the events keep true.
-        host: interface to bind; 127.0.0.1 by default (set a ``token`` for anything else).
+        host: interface to bind; 127.0.0.1 by default (anything else needs a ``token``).
         port: 0 picks a free port (see :attr:`url`).
         token: shared secret expected in the ``X-ContextPilot-Token`` header (or as a
-            bearer token).
+            bearer token); must not be empty.
         max_body_bytes: larger requests are refused with 413.
+        max_batch_blocks: event batches naming more blocks are refused with 413.
+        max_connections: open connections at most; at the bound the longest-idle one is
+            closed for a new client, and new clients get 503 when none is idle.
+        idle_timeout: seconds a connection may wait for (the rest of) a request.
         page_size: the engine's page size, if known before the first event.
+        block_map: the engine block map to use (to choose its memory bounds).
     """
 
     def __init__(
@@ -300,15 +516,30 @@ class EvictionListener:
         *,
         token: str | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
+        max_batch_blocks: int = 262_144,
+        max_connections: int = 256,
+        idle_timeout: float = 30.0,
         page_size: int | None = None,
+        block_map: EngineBlockMap | None = None,
     ) -> None:
-        if host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            raise ValueError("token must be a non-empty string (an empty token would disable authentication)")
+        loopback = host in LOOPBACK_HOSTS
+        if not loopback and token is None:
             raise ValueError(f"binding {host} needs a token: anyone who can reach it could reset the index")
-        self.sink = KvEventSink(pilot, EngineBlockMap(page_size))
-        self._server = _Server((host, port), _Handler)
-        self._server.sink = self.sink
-        self._server.token = token
-        self._server.max_body_bytes = max_body_bytes
+        if max_connections < 1 or idle_timeout <= 0 or not math.isfinite(idle_timeout):
+            raise ValueError("max_connections must be >= 1 and idle_timeout a positive number of seconds")
+        self.sink = KvEventSink(pilot, block_map if block_map is not None else EngineBlockMap(page_size))
+        self._server = _Server(
+            (host, port),
+            self.sink,
+            token=token,
+            max_body_bytes=max_body_bytes,
+            max_batch_blocks=max_batch_blocks,
+            max_connections=max_connections,
+            idle_timeout=idle_timeout,
+            loopback=loopback,
+        )
         self._thread = threading.Thread(target=self._server.serve_forever, name="contextpilot-events", daemon=True)
         self._thread.start()
 
@@ -323,6 +554,8 @@ class EvictionListener:
         return self.url + "/kv-events"
 
     def stop(self) -> None:
+        """Stop serving: open keep-alive connections are closed, and nothing more is applied."""
+        self._server.close_all()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)

@@ -7,68 +7,139 @@ block is removed from every storage tier, the requests whose chain ran through i
 lost everything from that block on. Work is proportional to the events and the tracked
 prompts, never to the whole index: requests wait on the next block key they need.
 
+Memory is bounded twice: by stored blocks (``max_blocks``) and by tracked prompt tokens
+(``max_tracked_tokens``, plus ``max_requests``). Forgetting is always conservative: a
+block dropped from the map counts as removed (its holders are shortened), and a request
+no longer tracked is reported back so its prediction can be dropped too, since nothing
+would tell us later when the engine evicts it.
+
 Not thread-safe on its own: :class:`~contextpilot_integrations.backends.events.KvEventSink`
 guards it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import itertools
+from array import array
+from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Iterable, MutableMapping, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 __all__ = ["EngineBlockMap"]
 
-PageKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, the block's token ids)
+PageKey = bytes  # parent block hash and the block's token ids, packed
 DEFAULT_MEDIUM = "GPU"
+_NO_PARENT = b"\x00"
 
 
-@dataclass
+def page_key(parent_hash: int | None, tokens: Sequence[int]) -> PageKey:
+    """The identity of a page in the engine's chain: its parent's hash and its tokens."""
+    head = _NO_PARENT if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "little", signed=True)
+    try:
+        return head + array("i", tokens).tobytes()
+    except OverflowError:  # token ids beyond 32 bits: a distinct, wider encoding
+        return head + b"\x02" + array("q", tokens).tobytes()
+
+
 class _Block:
-    key: PageKey
-    mediums: set[str] = field(default_factory=set)
+    __slots__ = ("key", "mediums")
+
+    def __init__(self, key: PageKey, medium: str) -> None:
+        self.key = key
+        self.mediums: tuple[str, ...] = (medium,)
 
 
-@dataclass
 class _Request:
-    tokens: tuple[int, ...]
-    block_ends: tuple[int, ...] | None  # token offset where each of our blocks ends
-    chain: list[int] = field(default_factory=list)  # engine block hashes of the cached prefix
+    __slots__ = ("block_ends", "chain", "tokens")
+
+    def __init__(self, tokens: array, block_ends: tuple[int, ...] | None) -> None:
+        self.tokens = tokens
+        self.block_ends = block_ends  # token offset where each of our blocks ends
+        self.chain: list[int] = []  # engine block hashes of the cached prefix
+
+
+def _as_tokens(token_ids: Sequence[int]) -> array:
+    try:
+        return array("i", token_ids)
+    except OverflowError:
+        return array("q", token_ids)
 
 
 class EngineBlockMap:
     """Engine block hashes <-> our request ids.
 
     Args:
-        page_size: tokens per engine block (SGLang's ``--page-size``); learned from the
-            first ``BlockStored`` event when not given.
+        page_size: tokens per engine block (SGLang's ``--page-size``, vLLM's
+            ``--block-size``); learned from the first ``BlockStored`` event when not given.
         max_requests: bound on tracked requests (oldest forgotten first).
+        max_blocks: bound on stored engine blocks remembered (oldest dropped first, as if
+            removed). About 200 bytes each.
+        max_tracked_tokens: bound on the prompt tokens of tracked requests together
+            (oldest requests forgotten first). About 4 bytes each, plus a chain entry per
+            cached page.
     """
 
-    def __init__(self, page_size: int | None = None, max_requests: int = 200_000) -> None:
+    def __init__(
+        self,
+        page_size: int | None = None,
+        max_requests: int = 200_000,
+        *,
+        max_blocks: int = 1_000_000,
+        max_tracked_tokens: int = 20_000_000,
+    ) -> None:
+        for name, value in (("max_requests", max_requests), ("max_blocks", max_blocks)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if max_tracked_tokens < 1:
+            raise ValueError("max_tracked_tokens must be at least 1")
         self.page_size = page_size
         self.max_requests = max_requests
+        self.max_blocks = max_blocks
+        self.max_tracked_tokens = max_tracked_tokens
         self._by_key: dict[PageKey, int] = {}
-        self._blocks: dict[int, _Block] = {}
-        self._requests: dict[str, _Request] = {}
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # oldest stored first
+        self._requests: OrderedDict[str, _Request] = OrderedDict()  # oldest tracked first
+        self._tracked_tokens = 0
         self._holders: dict[int, set[str]] = defaultdict(set)
         self._waiting: dict[PageKey, set[str]] = defaultdict(set)
+        self._dropped: list[str] = []  # requests forgotten for the bounds, not yet reported
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
 
     @property
     def stored_blocks(self) -> int:
         return len(self._blocks)
 
+    @property
+    def tracked_tokens(self) -> int:
+        return self._tracked_tokens
+
+    def take_dropped(self) -> list[str]:
+        """Requests forgotten to stay within the bounds since the last call: the caller
+        must stop predicting hits for them (no event will tell it when they go)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     # ---- our requests ----------------------------------------------------------------
     def track(self, request_id: str, token_ids: Sequence[int], block_ends: Sequence[int] | None = None) -> None:
         """Record a request's prompt token ids (and where each of its blocks ends)."""
+        tokens = _as_tokens(token_ids)
+        ends = tuple(block_ends) if block_ends else None
+        if ends is not None and (any(b <= a for a, b in itertools.pairwise(ends)) or ends[-1] > len(tokens)):
+            raise ValueError("block_ends must increase and lie within the prompt")
         self.forget(request_id)
-        self._requests[request_id] = _Request(tuple(token_ids), tuple(block_ends) if block_ends else None)
-        while len(self._requests) > self.max_requests:
-            self.forget(next(iter(self._requests)))
+        self._requests[request_id] = _Request(tokens, ends)
+        self._tracked_tokens += len(tokens)
+        while len(self._requests) > 1 and (
+            len(self._requests) > self.max_requests or self._tracked_tokens > self.max_tracked_tokens
+        ):
+            oldest = next(iter(self._requests))
+            self.forget(oldest)
+            self._dropped.append(oldest)
         if self.page_size:
             self._extend(request_id)
 
@@ -76,11 +147,12 @@ class EngineBlockMap:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self._tracked_tokens -= len(request.tokens)
         for block_hash in request.chain:
-            self._release(block_hash, request_id)
+            _discard(self._holders, block_hash, request_id)
         key = self._next_key(request)
         if key is not None:
-            self._unwait(key, request_id)
+            _discard(self._waiting, key, request_id)
 
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of this request the engine holds, as far as the events tell."""
@@ -108,30 +180,40 @@ class EngineBlockMap:
         token_ids: Sequence[int],
         block_size: int,
         medium: str | None = None,
-    ) -> dict[str, int]:
+    ) -> tuple[dict[str, int], dict[str, int]]:
         """A ``BlockStored`` event (consecutive pages may be coalesced into one).
 
-        Returns {request id: prompt tokens now cached} for the requests whose cached
-        prefix grew, which happens when blocks come back after an eviction.
+        Returns ({request id: prompt tokens now cached} for the requests whose cached
+        prefix grew, which happens when blocks come back after an eviction;
+        {request id: prompt tokens still cached} for requests shortened because old blocks
+        were dropped to stay within ``max_blocks``).
         """
         grown: dict[str, int] = {}
         if not self.page_size:
             self.page_size = block_size
             for request_id in list(self._requests):
                 self._extend(request_id)
+        tier = medium or DEFAULT_MEDIUM
         parent = parent_hash
         for i, block_hash in enumerate(block_hashes):
-            key = (parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
             block = self._blocks.get(block_hash)
             if block is None:
-                block = self._blocks[block_hash] = _Block(key)
+                key = page_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+                block = self._blocks[block_hash] = _Block(key, tier)
                 self._by_key[key] = block_hash
-            block.mediums.add(medium or DEFAULT_MEDIUM)
-            for request_id in self._waiting.pop(key, set()):
-                self._extend(request_id)
-                grown[request_id] = self.cached_tokens(request_id)
+                for request_id in self._waiting.pop(key, ()):
+                    self._extend(request_id)
+                    grown[request_id] = self.cached_tokens(request_id)
+            elif tier not in block.mediums:
+                block.mediums += (tier,)
             parent = block_hash
-        return grown
+        shortened: dict[str, int] = {}
+        if len(self._blocks) > self.max_blocks:
+            oldest = list(itertools.islice(self._blocks, len(self._blocks) - self.max_blocks))
+            shortened = self._drop(oldest)
+            for request_id in shortened:
+                grown.pop(request_id, None)
+        return grown, shortened
 
     def removed(self, block_hashes: Iterable[int], medium: str | None = None) -> dict[str, int]:
         """A ``BlockRemoved`` event; returns {request id: prompt tokens still cached}.
@@ -139,28 +221,16 @@ class EngineBlockMap:
         A block demoted to another tier (e.g. host memory) is still reusable: only a block
         gone from every tier shortens the requests that ran through it.
         """
-        shortened: dict[str, int] = {}
+        tier = medium or DEFAULT_MEDIUM
+        gone = []
         for block_hash in block_hashes:
             block = self._blocks.get(block_hash)
             if block is None:
                 continue
-            block.mediums.discard(medium or DEFAULT_MEDIUM)
-            if block.mediums:
-                continue
-            del self._blocks[block_hash]
-            self._by_key.pop(block.key, None)
-            for request_id in self._holders.pop(block_hash, set()):
-                request = self._requests[request_id]
-                stale = self._next_key(request)
-                if stale is not None:
-                    self._unwait(stale, request_id)
-                cut = request.chain.index(block_hash)
-                for later in request.chain[cut + 1 :]:
-                    self._release(later, request_id)
-                request.chain = request.chain[:cut]
-                self._waiting[block.key].add(request_id)  # re-stored later: extend again
-                shortened[request_id] = cut * (self.page_size or 0)
-        return shortened
+            block.mediums = tuple(m for m in block.mediums if m != tier)
+            if not block.mediums:
+                gone.append(block_hash)
+        return self._drop(gone)
 
     def cleared(self) -> list[str]:
         """``AllBlocksCleared``: returns the requests that held anything."""
@@ -177,6 +247,27 @@ class EngineBlockMap:
         return held
 
     # ---- internals -----------------------------------------------------------------------
+    def _drop(self, block_hashes: Iterable[int]) -> dict[str, int]:
+        """Blocks gone: cut every holder's chain there; returns {request id: tokens left}."""
+        shortened: dict[str, int] = {}
+        for block_hash in block_hashes:
+            block = self._blocks.pop(block_hash, None)
+            if block is None:
+                continue
+            self._by_key.pop(block.key, None)
+            for request_id in self._holders.pop(block_hash, ()):
+                request = self._requests[request_id]
+                stale = self._next_key(request)
+                if stale is not None:
+                    _discard(self._waiting, stale, request_id)
+                cut = request.chain.index(block_hash)
+                for later in request.chain[cut + 1 :]:
+                    _discard(self._holders, later, request_id)
+                del request.chain[cut:]
+                self._waiting[block.key].add(request_id)  # re-stored later: extend again
+                shortened[request_id] = cut * (self.page_size or 0)
+        return shortened
+
     def _next_key(self, request: _Request) -> PageKey | None:
         size = self.page_size
         if not size:
@@ -185,7 +276,7 @@ class EngineBlockMap:
         if start + size > len(request.tokens):
             return None
         parent = request.chain[-1] if request.chain else None
-        return parent, request.tokens[start : start + size]
+        return page_key(parent, request.tokens[start : start + size])
 
     def _extend(self, request_id: str) -> None:
         request = self._requests[request_id]
@@ -197,15 +288,9 @@ class EngineBlockMap:
             if block_hash is None:
                 self._waiting[key].add(request_id)
                 return
-            self._unwait(key, request_id)
+            _discard(self._waiting, key, request_id)
             request.chain.append(block_hash)
             self._holders[block_hash].add(request_id)
-
-    def _release(self, block_hash: int, request_id: str) -> None:
-        _discard(self._holders, block_hash, request_id)
-
-    def _unwait(self, key: PageKey, request_id: str) -> None:
-        _discard(self._waiting, key, request_id)
 
 
 K = TypeVar("K", bound=Hashable)

@@ -26,7 +26,7 @@ def listener() -> Iterator[EvictionListener]:
 
 
 def headers(token: str = "s3cret") -> dict[str, str]:
-    return {"X-ContextPilot-Token": token}
+    return {"X-ContextPilot-Token": token, "Content-Type": "application/json"}
 
 
 def stored(seq: int, hashes: list[int], parent: int | None = None, publisher: str = "p") -> dict:
