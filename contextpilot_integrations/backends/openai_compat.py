@@ -3,15 +3,24 @@
 The request id travels in the body (``rid`` for SGLang; ``session_id`` too, which SGLang
 copies into its KV-cache events), time to first token is measured on the stream, and the
 server's ``usage.prompt_tokens_details.cached_tokens`` is read back into the pilot's
-statistics. A request that fails is removed from the pilot's index again (the engine
-may not hold it, and the index must never predict a hit it cannot confirm), and its
-conversation turn no longer counts as having shown its blocks.
+statistics.
+
+A request that is not served in full (unreachable server, HTTP error, timeout, a stream
+cut short or carrying an error, a malformed answer, or the caller's cancellation) raises
+and is removed from the pilot's index again (the engine may not hold it, and the index
+must never predict a hit it cannot confirm); its conversation turn no longer counts as
+having shown its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import re
 import time
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +33,9 @@ from ..prepared import PreparedRequest
 if TYPE_CHECKING:
     from .events import EvictionListener
 
-__all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient"]
+__all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient", "redact_url"]
+
+_CREDENTIALS = re.compile(r"(//)[^/@\s]+@")  # user:password@ in a URL
 
 
 class EngineError(ContextPilotError):
@@ -58,21 +69,158 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
 
 
-_Parsed = tuple[str, dict[str, Any], float, list[int] | None]  # text, usage, TTFT, prompt token ids
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    text: str
+    usage: dict[str, Any]
+    first_s: float | None  # perf_counter of the first content chunk
+    input_ids: list[int] | None
 
 
-def _input_ids(payload: dict[str, Any]) -> list[int] | None:
+def redact_url(url: str) -> str:
+    """A URL fit for messages and logs: no user, password or query string."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _count(value: object, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EngineError(f"{where} answered a malformed {what}: {value!r}")
+    return value
+
+
+def _usage(raw: object, where: str) -> dict[str, Any]:
+    """The ``usage`` object, checked: counts are non-negative ints where present."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise EngineError(f"{where} answered a malformed usage: {raw!r:.100}")
+    for name in ("prompt_tokens", "completion_tokens"):
+        _count(raw.get(name), name, where)
+    details = raw.get("prompt_tokens_details")
+    if details is not None:
+        if not isinstance(details, dict):
+            raise EngineError(f"{where} answered malformed prompt_tokens_details: {details!r:.100}")
+        _count(details.get("cached_tokens"), "cached_tokens", where)
+    return raw
+
+
+def _input_ids(payload: dict[str, Any], where: str) -> list[int] | None:
     """SGLang's prompt token ids (``sglext.input_ids``), when it was asked for them."""
-    ids = (payload.get("sglext") or {}).get("input_ids")
-    if ids and isinstance(ids[0], list):  # one list per choice
+    sglext = payload.get("sglext")
+    ids = sglext.get("input_ids") if isinstance(sglext, dict) else None
+    if ids and isinstance(ids, list) and isinstance(ids[0], list):  # one list per choice
         ids = ids[0]
-    return [int(i) for i in ids] if ids else None
+    if not ids:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise EngineError(f"{where} answered malformed sglext.input_ids")
+    return ids
 
 
-def _cached_tokens(usage: dict[str, Any]) -> int | None:
-    details = usage.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens")
-    return int(value) if value is not None else None
+def _error_message(payload: dict[str, Any]) -> str | None:
+    error = payload.get("error")
+    if error is None or (payload.get("choices") and payload.get("object") != "error"):
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error)[:300]
+
+
+class _Reader:
+    """Reads one answer, streamed or whole, within a byte budget and a deadline."""
+
+    def __init__(self, where: str, stream: bool, deadline: float | None, max_bytes: int) -> None:
+        self.where = where
+        self.stream = stream
+        self.deadline = deadline
+        self.max_bytes = max_bytes
+        self.received = 0
+        self.buffer = b""
+        self.text: list[str] = []
+        self.usage: dict[str, Any] = {}
+        self.first: float | None = None
+        self.input_ids: list[int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take the next bytes; returns True once the answer is complete."""
+        self.received += len(chunk)
+        if self.received > self.max_bytes:
+            raise EngineError(f"{self.where} answered more than {self.max_bytes} bytes")
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise EngineUnavailable(f"{self.where} timed out: no complete answer within the deadline")
+        self.buffer += chunk
+        if not self.stream:
+            return False
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if self._line(line.decode("utf-8", errors="replace").strip()):
+                self.done = True
+                return True
+        return False
+
+    def _line(self, line: str) -> bool:
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}") from None
+        if not isinstance(event, dict):
+            raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}")
+        message = _error_message(event)
+        if message is not None:
+            raise EngineError(f"{self.where} reported an error mid-stream: {message}")
+        choices = event.get("choices") or []
+        if not isinstance(choices, list):
+            raise EngineError(f"{self.where} sent malformed choices: {choices!r:.100}")
+        for choice in choices:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            piece = delta.get("content") if isinstance(delta, dict) else None
+            if not isinstance(piece, str):
+                piece = ""
+            if self.first is None and (piece or (isinstance(choice, dict) and choice.get("finish_reason"))):
+                self.first = time.perf_counter()
+            self.text.append(piece)
+        if event.get("usage") is not None:
+            self.usage = _usage(event["usage"], self.where)
+        self.input_ids = _input_ids(event, self.where) or self.input_ids
+        return False
+
+    def result(self) -> _Parsed:
+        if self.stream:
+            if not self.done:
+                raise EngineError(f"{self.where} ended the stream before [DONE]: the answer may be cut short")
+            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids)
+        try:
+            payload = json.loads(self.buffer)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EngineError(f"{self.where} answered with malformed JSON: {self.buffer[:100]!r}") from None
+        if not isinstance(payload, dict):
+            raise EngineError(f"{self.where} answered {type(payload).__name__} instead of a JSON object")
+        message = _error_message(payload)
+        if message is not None:
+            raise EngineError(f"{self.where} reported an error: {message}")
+        choices = payload.get("choices") or [{}]
+        if not isinstance(choices, list) or not isinstance(choices[0], dict):
+            raise EngineError(f"{self.where} answered malformed choices: {choices!r:.100}")
+        message_obj = choices[0].get("message")
+        if not isinstance(message_obj, (dict, type(None))):
+            raise EngineError(f"{self.where} answered a malformed message: {message_obj!r:.100}")
+        text = (message_obj or {}).get("content") or ""
+        if not isinstance(text, str):
+            raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
+        return _Parsed(text, _usage(payload.get("usage"), self.where), None, _input_ids(payload, self.where))
 
 
 class OpenAICompatClient:
@@ -80,11 +228,16 @@ class OpenAICompatClient:
 
     Args:
         base_url: the server, e.g. ``http://127.0.0.1:30000`` (``/v1`` is added).
+            Credentials in it are used but never shown in messages.
         pilot: the :class:`ContextPilot` whose requests are sent; it receives the cached
             token counts, and forgets requests that fail.
         model: the ``model`` field of the request.
         api_key: sent as a bearer token when given.
-        timeout: seconds to connect and between chunks.
+        timeout: seconds to connect, and at most between two chunks of the answer.
+        deadline: seconds a whole call may take (``None``: no limit beyond ``timeout``
+            per chunk); a server that drips bytes cannot hold a call longer.
+        max_response_bytes: larger answers are refused (error bodies are read up to
+            64 KiB for the message).
         id_fields: body fields that carry the request id (SGLang: ``rid`` and
             ``session_id``; vLLM: ``request_id``).
         extra_body: merged into every request body.
@@ -95,6 +248,8 @@ class OpenAICompatClient:
             the whole request from the index (conservative).
     """
 
+    MAX_ERROR_BYTES = 64 * 1024
+
     def __init__(
         self,
         base_url: str,
@@ -103,17 +258,24 @@ class OpenAICompatClient:
         model: str = "default",
         api_key: str | None = None,
         timeout: float = 60.0,
+        deadline: float | None = None,
+        max_response_bytes: int = 32 * 1024 * 1024,
         id_fields: tuple[str, ...] = ("rid", "session_id"),
         extra_body: dict[str, Any] | None = None,
         listener: EvictionListener | None = None,
     ) -> None:
+        if timeout <= 0 or (deadline is not None and (deadline <= 0 or not math.isfinite(deadline))):
+            raise ValueError("timeout and deadline must be positive numbers of seconds")
         self.base_url = base_url.rstrip("/")
         self.endpoint = self.base_url + (
             "/chat/completions" if self.base_url.endswith("/v1") else "/v1/chat/completions"
         )
+        self.where = redact_url(self.endpoint)
         self.pilot = pilot
         self.model = model
         self.timeout = timeout
+        self.deadline = deadline
+        self.max_response_bytes = max_response_bytes
         self.id_fields = id_fields
         self.extra_body = dict(extra_body or {})
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -122,7 +284,7 @@ class OpenAICompatClient:
             self.extra_body.setdefault("return_input_ids_in_sglext", True)
         # one pooled connection for sync calls (thread-safe); async calls open their own,
         # since an async client belongs to one event loop
-        self._http = httpx.Client(timeout=self.timeout, headers=self._headers)
+        self._http = httpx.Client(timeout=self._timeout(), headers=self._headers)
 
     def close(self) -> None:
         """Close the pooled connection."""
@@ -170,29 +332,24 @@ class OpenAICompatClient:
         """Send one prepared request and wait for the answer.
 
         Raises:
-            EngineUnavailable, EngineHTTPError: the request was not served; the pilot
-                has forgotten it.
+            EngineUnavailable, EngineHTTPError, EngineError: the request was not served
+                in full; the pilot has forgotten it.
         """
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
-        http = self._http
+        reader = self._reader(stream, start)
         try:
-            if stream:
-                with http.stream("POST", self.endpoint, json=body) as response:
-                    if response.status_code >= 400:
-                        response.read()
-                    self._check(response)
-                    parser = _StreamParser(self.endpoint, start)
-                    for line in response.iter_lines():
-                        if parser.feed(line):
-                            break
-                    return self._finish(prepared, start, parser.result())
-            response = http.post(self.endpoint, json=body)
-            self._check(response)
-            return self._finish(prepared, start, self._read_whole(response, start))
+            with self._http.stream("POST", self.endpoint, json=body) as response:
+                if response.status_code >= 400:
+                    raise self._http_error(response.status_code, _limited(response.iter_bytes()))
+                for chunk in response.iter_bytes():
+                    if reader.feed(chunk):
+                        break
+            return self._finish(prepared, start, reader.result())
         except httpx.TransportError as exc:
-            raise self._unavailable(prepared, exc) from exc
-        except EngineError:
+            self._forget(prepared)
+            raise self._unavailable(exc) from exc
+        except BaseException:
             self._forget(prepared)
             raise
 
@@ -205,107 +362,90 @@ class OpenAICompatClient:
         stream: bool = True,
         **params: Any,
     ) -> ChatResult:
-        """Async variant of :meth:`chat`."""
+        """Async variant of :meth:`chat`; cancelling it forgets the request too."""
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
+        reader = self._reader(stream, start)
         try:
-            async with httpx.AsyncClient(timeout=self.timeout, headers=self._headers) as http:
-                if stream:
-                    async with http.stream("POST", self.endpoint, json=body) as response:
-                        if response.status_code >= 400:
-                            await response.aread()
-                        self._check(response)
-                        parser = _StreamParser(self.endpoint, start)
-                        async for line in response.aiter_lines():
-                            if parser.feed(line):
-                                break
-                        return self._finish(prepared, start, parser.result())
-                response = await http.post(self.endpoint, json=body)
-                self._check(response)
-                return self._finish(prepared, start, self._read_whole(response, start))
-        except httpx.TransportError as exc:
-            raise self._unavailable(prepared, exc) from exc
-        except EngineError:
+            exchange = self._aexchange(body, reader)
+            if self.deadline is not None:
+                await asyncio.wait_for(exchange, self.deadline)
+            else:
+                await exchange
+            return self._finish(prepared, start, reader.result())
+        except (httpx.TransportError, asyncio.TimeoutError) as exc:
+            self._forget(prepared)
+            raise self._unavailable(exc) from exc
+        except BaseException:
             self._forget(prepared)
             raise
 
-    # ---- parsing ---------------------------------------------------------------------------
-    def _check(self, response: httpx.Response) -> None:
-        if response.status_code >= 400:
-            snippet = response.text[:300].strip()
-            raise EngineHTTPError(
-                f"{self.endpoint} answered HTTP {response.status_code}: {snippet}", response.status_code
-            )
+    async def _aexchange(self, body: dict[str, Any], reader: _Reader) -> None:
+        async with (
+            httpx.AsyncClient(timeout=self._timeout(), headers=self._headers) as http,
+            http.stream("POST", self.endpoint, json=body) as response,
+        ):
+            if response.status_code >= 400:
+                received = b""
+                async for chunk in response.aiter_bytes():
+                    received += chunk
+                    if len(received) >= self.MAX_ERROR_BYTES:
+                        break
+                raise self._http_error(response.status_code, received[: self.MAX_ERROR_BYTES])
+            async for chunk in response.aiter_bytes():
+                if reader.feed(chunk):
+                    break
 
-    def _read_whole(self, response: httpx.Response, start: float) -> _Parsed:
-        try:
-            payload = response.json()
-        except json.JSONDecodeError as exc:
-            raise EngineError(f"{self.endpoint} answered with malformed JSON: {response.text[:100]!r}") from exc
-        choices = payload.get("choices") or [{}]
-        text = (choices[0].get("message") or {}).get("content") or ""
-        return text, payload.get("usage") or {}, time.perf_counter() - start, _input_ids(payload)
+    # ---- answers ---------------------------------------------------------------------------
+    def _timeout(self) -> httpx.Timeout:
+        per_chunk = min(self.timeout, self.deadline) if self.deadline is not None else self.timeout
+        return httpx.Timeout(per_chunk)
+
+    def _reader(self, stream: bool, start: float) -> _Reader:
+        deadline = start + self.deadline if self.deadline is not None else None
+        return _Reader(self.where, stream, deadline, self.max_response_bytes)
+
+    def _http_error(self, status: int, body: bytes) -> EngineHTTPError:
+        snippet = body[:300].decode("utf-8", errors="replace").strip()
+        return EngineHTTPError(f"{self.where} answered HTTP {status}: {snippet}", status)
 
     def _finish(self, prepared: PreparedRequest, start: float, parsed: _Parsed) -> ChatResult:
-        text, usage, ttft, input_ids = parsed
-        if self.listener is not None and input_ids:
-            self.listener.sink.track(prepared.request_id, input_ids)
+        usage = parsed.usage
+        details = usage.get("prompt_tokens_details") or {}
+        now = time.perf_counter()
         result = ChatResult(
             request_id=prepared.request_id,
-            text=text,
+            text=parsed.text,
             prompt_tokens=usage.get("prompt_tokens"),
-            cached_tokens=_cached_tokens(usage),
+            cached_tokens=details.get("cached_tokens"),
             completion_tokens=usage.get("completion_tokens"),
-            ttft_s=ttft,
-            total_s=time.perf_counter() - start,
+            ttft_s=(parsed.first_s if parsed.first_s is not None else now) - start,
+            total_s=now - start,
             usage=usage,
         )
+        if self.listener is not None and parsed.input_ids:
+            self.listener.sink.track(prepared.request_id, parsed.input_ids)
         if self.pilot is not None:
             self.pilot.record_usage(prepared, result.prompt_tokens, result.cached_tokens)
         return result
 
-    def _unavailable(self, prepared: PreparedRequest, exc: Exception) -> EngineUnavailable:
-        self._forget(prepared)
-        kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "is unreachable"
-        return EngineUnavailable(f"{self.endpoint} {kind}: {exc}")
+    def _unavailable(self, exc: BaseException) -> EngineUnavailable:
+        kind = "timed out" if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)) else "is unreachable"
+        detail = _CREDENTIALS.sub(r"\1", str(exc)) or type(exc).__name__
+        return EngineUnavailable(f"{self.where} {kind}: {detail}")
 
     def _forget(self, prepared: PreparedRequest) -> None:
+        if self.listener is not None:
+            self.listener.sink.forget(prepared.request_id)
         if self.pilot is not None:
             self.pilot.discard(prepared)
 
 
-class _StreamParser:
-    """Server-sent events of a streamed chat completion: text, usage, first-token time."""
-
-    def __init__(self, endpoint: str, start: float) -> None:
-        self.endpoint = endpoint
-        self.start = start
-        self.text: list[str] = []
-        self.usage: dict[str, Any] = {}
-        self.first: float | None = None
-        self.input_ids: list[int] | None = None
-
-    def feed(self, line: str) -> bool:
-        """Take one line; returns True at the end of the stream."""
-        line = line.strip()
-        if not line.startswith("data:"):
-            return False
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return True
-        try:
-            event = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise EngineError(f"{self.endpoint} sent a malformed stream chunk: {data[:100]!r}") from exc
-        for choice in event.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content") or ""
-            if self.first is None and (piece or choice.get("finish_reason")):
-                self.first = time.perf_counter()
-            self.text.append(piece)
-        self.usage = event.get("usage") or self.usage
-        self.input_ids = _input_ids(event) or self.input_ids
-        return False
-
-    def result(self) -> _Parsed:
-        first = self.first if self.first is not None else time.perf_counter()
-        return "".join(self.text), self.usage, first - self.start, self.input_ids
+def _limited(chunks: Iterator[bytes], limit: int = OpenAICompatClient.MAX_ERROR_BYTES) -> bytes:
+    """At most ``limit`` bytes of a body (an error page can be arbitrarily large)."""
+    received = b""
+    for chunk in chunks:
+        received += chunk
+        if len(received) >= limit:
+            break
+    return received[:limit]
