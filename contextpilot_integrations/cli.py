@@ -42,6 +42,43 @@ def _capacities(text: str) -> list[float]:
     return values
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _check_writable(path: Path, directory: bool) -> str | None:
+    """Fail before hours of replays, not after: can we write there?"""
+    folder = path if directory else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if directory:
+            probe = folder / ".contextpilot-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        else:
+            with path.open("a", encoding="utf-8"):
+                pass
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="contextpilot-integrations",
@@ -54,9 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the eviction callback server with its own index and print what arrives.",
     )
     listen.add_argument("--host", default="127.0.0.1", help="interface (127.0.0.1; others need --token)")
-    listen.add_argument("--port", type=int, default=8765)
+    listen.add_argument("--port", type=_port, default=8765)
     listen.add_argument("--token", help="shared secret the publisher must send (CONTEXTPILOT_EVENTS_TOKEN)")
-    listen.add_argument("--page-size", type=int, help="the engine's --page-size, if known")
+    listen.add_argument("--page-size", type=_positive, help="the engine's --page-size, if known")
     listen.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     for name, help_text in (
         ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15)"),
@@ -66,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "simulate":
             command.add_argument("--trace", required=True, type=Path, help="JSON lines: id, blocks, tokens?, ...")
             command.add_argument("--plan-out", type=Path, help="write the offline plan of the default strategy")
+            command.add_argument("--limit", type=_positive, help="read only the first N requests of the trace")
         else:
             command.add_argument(
                 "--engine", metavar="URL", help="also send the workload to this OpenAI-compatible server"
@@ -100,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             title = "MultiHop-RAG sample (bundled; ODC-BY 1.0)"
             conversations = multihop_trace(conversations=True)
         else:
-            trace = load_trace(args.trace)
+            trace = load_trace(args.trace, limit=args.limit)
             title = str(args.trace)
             conversations = trace
     except TraceError as exc:
@@ -112,6 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown strategy or mode: {', '.join(unknown)}", file=sys.stderr)
         return 2
+
+    checks = [] if args.no_plot else [(args.out, True)]
+    if args.command == "simulate" and args.plan_out:
+        checks.append((args.plan_out, False))
+    for path, directory in checks:
+        problem = _check_writable(path, directory)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
 
     working_set = working_set_tokens(trace)
     runs = [(mode, fraction, strategy) for mode in modes for fraction in args.capacity for strategy in strategies]

@@ -76,34 +76,66 @@ class TraceRequest(BaseModel):
         return self.tokens if self.tokens is not None else (1,) * len(self.blocks)
 
 
-def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a JSON-lines trace; raises :class:`TraceError` naming the first bad line."""
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""A trace line longer than this is refused (a request with that much metadata is a mistake)."""
+
+
+def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
+    """Read a JSON-lines trace (UTF-8, a byte-order mark is accepted).
+
+    Args:
+        limit: read only the first ``limit`` requests.
+
+    Raises:
+        TraceError: naming the file and the first bad line.
+    """
     path = Path(path)
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open the trace ({exc.strerror})") from exc
     requests: list[TraceRequest] = []
     seen: set[str] = set()
     with handle:
-        for number, line in enumerate(handle, start=1):
+        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if limit is not None and len(requests) >= limit:
+                break
+            where = f"{path}:{number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{where}: line longer than {MAX_LINE_BYTES:,} bytes")
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{where}: not UTF-8 (byte {exc.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                request = TraceRequest.model_validate(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            except ValidationError as exc:
-                error = exc.errors()[0]
-                where = ".".join(str(part) for part in error["loc"]) or "line"
-                raise TraceError(f"{path}:{number}: {where}: {error['msg']}") from exc
+            request = _parse_line(line, where)
             if request.id in seen:
-                raise TraceError(f"{path}:{number}: request id {request.id!r} repeats an earlier line")
+                raise TraceError(f"{where}: request id {request.id!r} repeats an earlier line")
             seen.add(request.id)
             requests.append(request)
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
     return requests
+
+
+def _parse_line(line: str, where: str) -> TraceRequest:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return TraceRequest.model_validate(data)
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where_field = ".".join(str(part) for part in error["loc"]) or "line"
+        raise TraceError(f"{where}: {where_field}: {error['msg']}") from exc
 
 
 def multihop_trace(conversations: bool = False) -> list[TraceRequest]:

@@ -61,3 +61,53 @@ def test_missing_trace_and_bad_options(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["demo", "--capacity", "2"])
     assert main(["demo", "--strategies", "magic", "--no-plot"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"id": "a", "blocks": ["x"]}\n{"id": "b", "blocks": ["\xff"]}\n', "t.jsonl:2: not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "t.jsonl:1: JSON nested too deeply"),
+        (b'{"id": "a", "blocks": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n", "t.jsonl:1:"),
+        (b"[1, 2]\n", "t.jsonl:1: expected a JSON object"),
+    ],
+)
+def test_hostile_trace_lines_are_named_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(content)
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b'\xef\xbb\xbf{"id": "a", "blocks": ["x", "y"]}\n{"id": "b", "blocks": ["y", "x"]}\n')
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--json", "--capacity", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 2
+
+
+def test_unwritable_outputs_fail_before_any_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "blocks": ["x"]}\n', encoding="utf-8")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    for extra in (["--plan-out", str(blocker / "plan.jsonl"), "--no-plot"], ["--out", str(blocker / "plots")]):
+        assert main(["simulate", "--trace", str(trace), "--quiet", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "cannot write" in err and "replaying" not in err
+
+
+def test_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["listen", "--port", "70000"])
+    assert exited.value.code == 2 and "port must be in 0..65535" in capsys.readouterr().err
+
+
+def test_limit_reads_only_the_first_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"id": "r{i}", "blocks": ["x{i}"]}}\n' for i in range(50)), encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--limit", "7", "--no-plot", "--json", "--capacity", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 7
