@@ -21,6 +21,7 @@ Needs the ``langchain`` extra.
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -37,7 +38,7 @@ from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.runnables import RunnableConfig, RunnableLambda, ensure_config
 from langchain_openai import ChatOpenAI
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from .annotations import render_block
 from .blocks import Block, content_id
@@ -284,6 +285,15 @@ class ChatSGLang(ChatOpenAI):
     """
 
     stream_usage: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_server_needs_no_key(cls, values: Any) -> Any:
+        """A local engine takes any key: use ``SGLANG_API_KEY`` or ``"EMPTY"``, never
+        ``OPENAI_API_KEY`` (which would send an OpenAI key to another server)."""
+        if isinstance(values, dict) and values.get("api_key") is None and values.get("openai_api_key") is None:
+            values = {**values, "api_key": os.environ.get("SGLANG_API_KEY") or "EMPTY"}
+        return values
 
     @classmethod
     def is_lc_serializable(cls) -> bool:

@@ -18,6 +18,7 @@ dispatcher. Needs the ``llamaindex`` extra.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -125,6 +126,12 @@ class SGLangLLM(OpenAILike):
     """
 
     is_chat_model: bool = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        # a local engine takes any key: "EMPTY" unless one is given (never OPENAI_API_KEY)
+        if kwargs.get("api_key") is None:
+            kwargs["api_key"] = os.environ.get("SGLANG_API_KEY") or "EMPTY"
+        super().__init__(**kwargs)
 
     @classmethod
     def class_name(cls) -> str:

@@ -81,7 +81,7 @@ class TestChatSGLangStandard(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"model": "tiny", "base_url": "http://127.0.0.1:9/v1", "api_key": "unused"}
+        return {"model": "tiny", "base_url": "http://127.0.0.1:9/v1"}
 
 
 def test_retriever_reorders_and_annotates_without_extra_documents() -> None:
@@ -252,3 +252,31 @@ def test_lcel_helpers() -> None:
     chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
     text = chain.invoke(QUERY)
     assert text.count("[Doc_") >= 3 and "priority order" in text and pilot.stats().requests_prepared == 1
+
+
+def test_chat_sglang_needs_no_api_key(llama: LlamaServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    llm = ChatSGLang(model="tiny", base_url=llama.url + "/v1", max_tokens=2, temperature=0)  # as the README shows
+    assert llm.invoke("hello").usage_metadata is not None
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")  # never sent to another server
+    assert ChatSGLang(model="tiny", base_url=llama.url + "/v1").openai_api_key.get_secret_value() == "EMPTY"
+    explicit = ChatSGLang(model="tiny", base_url=llama.url + "/v1", api_key="mine")
+    assert explicit.openai_api_key.get_secret_value() == "mine"
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_compressor_in_a_chain_reads_configurable(use_async: bool) -> None:
+    """LangChain hands a compressor only callbacks; inside a chain (or a graph) the run's
+    config is in context, and ``configurable`` names the conversation."""
+    from langchain_classic.retrievers import ContextualCompressionRetriever
+
+    pilot = ContextPilot()
+    ccr = ContextualCompressionRetriever(
+        base_compressor=ContextPilotPostprocessor(pilot=pilot), base_retriever=BM25ChunkRetriever(k=4)
+    )
+    chain = ccr | RunnableLambda(lambda documents: documents)
+    config = {"configurable": {"thread_id": f"ccr-{use_async}"}}
+    turns = [asyncio.run(chain.ainvoke(QUERY, config=config)) if use_async else chain.invoke(QUERY, config=config)]
+    turns.append(asyncio.run(chain.ainvoke(QUERY, config=config)) if use_async else chain.invoke(QUERY, config=config))
+    assert not any(d.metadata["contextpilot"]["reference"] for d in turns[0])
+    assert all(d.metadata["contextpilot"]["reference"] for d in turns[1])

@@ -195,3 +195,13 @@ def test_the_request_id_reaches_the_server_in_every_call_style(index: VectorStor
     assert len(seen) == 4 and seen[0] == ids[0] and seen[2] == ids[1]
     prefix = ids[0].rsplit("-", 1)[0]
     assert len(set(seen)) == 4 and all(rid.rsplit("-", 1)[0] == prefix for rid in seen)  # the pilot's ids, streams too
+
+
+def test_sglang_llm_needs_no_api_key(llama: LlamaServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llama_index.core.base.llms.types import ChatMessage
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)  # as the README
+    assert llm.chat([ChatMessage(role="user", content="hello")]).message.content is not None
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
+    assert SGLangLLM(model="tiny", api_base=llama.url + "/v1").api_key == "EMPTY"
