@@ -30,7 +30,7 @@ from scipy.sparse import csr_matrix, diags
 from scipy.sparse.csgraph import minimum_spanning_tree
 
 from contextpilot_integrations.index import agglomerate
-from contextpilot_integrations.replay import (
+from contextpilot_integrations.whatif.replay import (
     TraceRequest,
     block_token_counts,
     multihop_trace,
@@ -38,7 +38,7 @@ from contextpilot_integrations.replay import (
     reuse_bound,
     working_set_tokens,
 )
-from contextpilot_integrations.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 
 
 def spanning_tree_bound(sets: list[frozenset[str]], tokens: dict[str, int]) -> float:

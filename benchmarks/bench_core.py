@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
 
 K = 15
 

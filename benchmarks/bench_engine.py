@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
-from contextpilot_integrations.engine_replay import compare_on_engine
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
+from contextpilot_integrations.whatif.engine_compare import compare_on_engine
 
 
 def bench_ttft(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ import tempfile
 import venv
 from pathlib import Path
 
-from contextpilot_integrations.replay import (
+from contextpilot_integrations.whatif.replay import (
     ReplayResult,
     TraceRequest,
     block_token_counts,
@@ -31,7 +31,7 @@ from contextpilot_integrations.replay import (
     reuse_bound,
     working_set_tokens,
 )
-from contextpilot_integrations.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 
 UPSTREAM = "contextpilot==0.5.0"
 ENV_DIR = Path(tempfile.gettempdir()) / "contextpilot-upstream-0.5.0"

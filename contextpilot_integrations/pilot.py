@@ -31,7 +31,7 @@ from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, make_reference
 
 if TYPE_CHECKING:
-    from .backends.events import EvictionListener
+    from .engines.events import EvictionListener
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -470,10 +470,10 @@ class ContextPilot:
     ) -> EvictionListener:
         """Start the HTTP callback server that applies the engine's evictions to this pilot.
 
-        Returns the running :class:`~contextpilot_integrations.backends.events.EvictionListener`
+        Returns the running :class:`~contextpilot_integrations.engines.events.EvictionListener`
         (a context manager; ``.stop()`` ends it). Point SGLang at ``listener.kv_events_url``.
         """
-        from .backends.events import EvictionListener
+        from .engines.events import EvictionListener
 
         return EvictionListener(self, host, port, token=token, max_body_bytes=max_body_bytes, page_size=page_size)
 

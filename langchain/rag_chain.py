@@ -18,8 +18,8 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from rank_bm25 import BM25Okapi
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
 from contextpilot_integrations.langchain import ChatSGLang, ContextPilotRetriever, format_documents
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
 
 chunks = list(load_multihop_rag().chunks.values())
 index = BM25Okapi([chunk.text.lower().split() for chunk in chunks])

@@ -16,8 +16,8 @@ from llama_index.core.llms.mock import MockLLMWithChatMemoryOfLastCall
 from llama_index.core.schema import TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
 from contextpilot_integrations.llamaindex import ContextPilotChatEngine, ContextPilotPostprocessor, SGLangLLM
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
 
 Settings.embed_model = MockEmbedding(embed_dim=8)  # use your embedding model here
 chunks = list(load_multihop_rag().chunks.values())[:60]

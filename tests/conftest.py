@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextpilot_integrations.datasets import MultiHopRAG, load_multihop_rag
+from contextpilot_integrations.whatif.datasets import MultiHopRAG, load_multihop_rag
 
 
 @pytest.fixture(scope="session")

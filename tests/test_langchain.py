@@ -22,7 +22,6 @@ from pydantic import ConfigDict
 from rank_bm25 import BM25Okapi
 
 from contextpilot_integrations import BlockTypeError, ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
 from contextpilot_integrations.langchain import (
     ChatSGLang,
     ContextPilotPostprocessor,
@@ -31,6 +30,7 @@ from contextpilot_integrations.langchain import (
     conversation_id_from_config,
     format_documents,
 )
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
 from tests.engine_support import LlamaServer, start_llama_server
 
 CHUNKS = [chunk for _, chunk in zip(range(400), load_multihop_rag().chunks.values(), strict=False)]

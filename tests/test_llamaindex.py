@@ -21,13 +21,13 @@ from llama_index.core.memory import Memory
 from llama_index.core.schema import TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.datasets import load_multihop_rag
 from contextpilot_integrations.llamaindex import (
     ContextPilotChatEngine,
     ContextPilotEvent,
     ContextPilotPostprocessor,
     SGLangLLM,
 )
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
 from tests.engine_support import LlamaServer, start_llama_server
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import UnknownStrategyError
-from ..ordering import reorder, schedule_by_paths
 from .agglomerate import agglomerate
 from .cluster import ClusterTree
 from .greedy import greedy_plan
+from .ordering import reorder, schedule_by_paths
 from .prefix_trie import PrefixTrie
 
 __all__ = [

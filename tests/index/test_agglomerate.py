@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations.index import agglomerate
-from contextpilot_integrations.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 
 
 def served_hit(requests: list[list[str]], tokens: dict[str, float], penalty: float = 0.0) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from contextpilot_integrations.index import ClusterTree
-from contextpilot_integrations.ordering import schedule_by_paths
+from contextpilot_integrations.index.ordering import schedule_by_paths
 
 
 def paper_tree() -> ClusterTree:

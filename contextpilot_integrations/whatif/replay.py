@@ -17,9 +17,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .blocks import Block
-from .errors import ContextPilotError
-from .pilot import BatchRequest, ContextPilot, PreparedRequest
+from ..blocks import Block
+from ..errors import ContextPilotError
+from ..pilot import BatchRequest, ContextPilot, PreparedRequest
 from .simulate import RadixCacheSimulator
 
 __all__ = [

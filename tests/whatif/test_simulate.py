@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from contextpilot_integrations.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 from tests.sglang_support import SGLangRadix
 
 

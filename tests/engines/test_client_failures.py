@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.backends import EngineError, EngineHTTPError, EngineUnavailable, OpenAICompatClient
+from contextpilot_integrations.engines import EngineError, EngineHTTPError, EngineUnavailable, OpenAICompatClient
 from tests.engine_support import LlamaServer, start_llama_server
 
 GOOD_USAGE = b'"usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}'
@@ -184,7 +184,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 
 def test_cancelling_achat_forgets_the_request(llama: LlamaServer) -> None:
     pilot = ContextPilot()
-    long_docs = [Block(id=f"d{i}", text=f"document {i} " * 300) for i in range(4)]  # a slow prefill on CPU
+    long_docs = [Block(id=f"d{i}", text=(f"document {i} " * 200)[:1_500]) for i in range(4)]  # 6k tokens: slow on CPU
     prepared = pilot.prepare(long_docs, "q", conversation_id="c")
     client = OpenAICompatClient(llama.url, pilot)
 

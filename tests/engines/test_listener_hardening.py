@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.backends.events import EvictionListener, KvEventBatch, KvEventSink
-from contextpilot_integrations.backends.kv_mapping import EngineBlockMap
+from contextpilot_integrations.engines.events import EvictionListener, KvEventBatch, KvEventSink
+from contextpilot_integrations.engines.kv_mapping import EngineBlockMap
 
 JSON = {"Content-Type": "application/json"}
 HEAD = b"POST /evict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -93,7 +93,7 @@ def test_a_restarted_engine_is_a_new_publisher(listener: EvictionListener) -> No
 
 def test_a_slow_apply_then_a_retry_keeps_the_index(listener: EvictionListener) -> None:
     """The plugin re-sends a batch after its 5 s timeout; the original is still applying."""
-    from contextpilot_integrations.backends.sglang_plugin import ContextPilotHttpPublisher
+    from contextpilot_integrations.engines.sglang_plugin import ContextPilotHttpPublisher
 
     pilot = listener.sink.pilot
     pilot.prepare(["a", "b"], "q")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from .blocks import Block
+from ..blocks import Block
 
 __all__ = ["MultiHopRAG", "RetrievalQuery", "load_multihop_rag"]
 
@@ -49,7 +49,7 @@ class MultiHopRAG:
 
 
 def _read_jsonl(name: str) -> Iterator[dict]:
-    source = resources.files("contextpilot_integrations.data").joinpath(name)
+    source = resources.files("contextpilot_integrations.whatif.data").joinpath(name)
     with source.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
         for line in lines:
             yield json.loads(line)

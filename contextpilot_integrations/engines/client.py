@@ -241,7 +241,7 @@ class OpenAICompatClient:
         id_fields: body fields that carry the request id (SGLang: ``rid`` and
             ``session_id``; vLLM: ``request_id``).
         extra_body: merged into every request body.
-        listener: an :class:`~contextpilot_integrations.backends.events.EvictionListener`;
+        listener: an :class:`~contextpilot_integrations.engines.events.EvictionListener`;
             the client then asks SGLang for the prompt's token ids
             (``return_input_ids_in_sglext``) and registers them, so KV events can be
             mapped to this request. Without block boundaries in tokens, a lost block drops

@@ -1,6 +1,6 @@
 """Engine backends: send prepared requests to an inference server and read back its cache use."""
 
-from .openai_compat import (
+from .client import (
     ChatResult,
     EngineError,
     EngineHTTPError,

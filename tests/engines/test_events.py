@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.backends.events import EvictionListener
+from contextpilot_integrations.engines.events import EvictionListener
 from tests.sglang_support import build_cache, import_sglang, match_tokens, serve_tokens
 
 DEBUG = False
@@ -216,7 +216,7 @@ def test_plugin_publisher_drops_and_the_gap_is_seen() -> None:
     import_sglang()
     from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
 
-    from contextpilot_integrations.backends.sglang_plugin import ContextPilotHttpPublisher
+    from contextpilot_integrations.engines.sglang_plugin import ContextPilotHttpPublisher
 
     pilot = ContextPilot()
     with pilot.start_eviction_listener() as running:
@@ -242,7 +242,7 @@ def test_plugin_publisher_drops_and_the_gap_is_seen() -> None:
 
 
 def test_listen_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from contextpilot_integrations.cli import main
+    from contextpilot_integrations.whatif.cli import main
     from tests.engine_support import free_port
 
     assert main(["listen", "--port", str(free_port()), "--seconds", "0.3"]) == 0

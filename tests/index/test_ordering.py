@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextpilot_integrations.ordering import reorder, schedule_by_paths
+from contextpilot_integrations.index.ordering import reorder, schedule_by_paths
 
 
 def test_reorder_is_alg2() -> None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import httpx
 from tqdm.auto import tqdm
 
-from .backends.openai_compat import OpenAICompatClient
-from .blocks import Block
-from .pilot import ContextPilot, PreparedRequest
+from ..blocks import Block
+from ..engines.client import OpenAICompatClient
+from ..pilot import ContextPilot, PreparedRequest
 
 __all__ = ["EngineRun", "compare_on_engine", "flush_engine_cache"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.backends import EngineHTTPError, EngineUnavailable, OpenAICompatClient
+from contextpilot_integrations.engines import EngineHTTPError, EngineUnavailable, OpenAICompatClient
 from tests.engine_support import LlamaServer, free_port, start_llama_server
 
 
@@ -132,7 +132,7 @@ def test_async_http_error(failing_server: str) -> None:
 
 
 def test_demo_against_the_engine(llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from contextpilot_integrations.cli import main
+    from contextpilot_integrations.whatif.cli import main
 
     args = ["demo", "--engine", llama.url, "--engine-requests", "12", "--engine-block-chars", "250"]
     args += ["--modes", "offline", "--capacity", "0.25", "--no-plot", "--json"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpilot_integrations.replay import (
+from contextpilot_integrations.whatif.replay import (
     TraceError,
     TraceRequest,
     block_token_counts,
@@ -16,7 +16,7 @@ from contextpilot_integrations.replay import (
     reuse_bound,
     working_set_tokens,
 )
-from contextpilot_integrations.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 
 
 def write(tmp_path: Path, lines: list[str]) -> Path:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from contextpilot_integrations.backends.kv_mapping import EngineBlockMap
+from contextpilot_integrations.engines.kv_mapping import EngineBlockMap
 
 
 def test_requests_follow_the_stored_chain_even_when_tracked_first() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .engine_replay import EngineRun
+from .engine_compare import EngineRun
 from .replay import (
     ReplayResult,
     TraceError,
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _listen(args: argparse.Namespace) -> int:
     import time
 
-    from .pilot import ContextPilot
+    from ..pilot import ContextPilot
 
     try:
         listener = ContextPilot().start_eviction_listener(
@@ -223,9 +223,9 @@ def _listen(args: argparse.Namespace) -> int:
 
 def _run_engine(args: argparse.Namespace) -> tuple[EngineRun, EngineRun] | int:
     """Send the demo workload to the server: (baseline, ContextPilot), or an exit status."""
-    from .backends.openai_compat import EngineError
+    from ..engines.client import EngineError
     from .datasets import load_multihop_rag
-    from .engine_replay import compare_on_engine
+    from .engine_compare import compare_on_engine
 
     data = load_multihop_rag()
     requests = []

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpilot_integrations.cli import main
+from contextpilot_integrations.whatif.cli import main
 
 
 def test_demo_prints_a_table_and_writes_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
