@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.engines import EvictionListener
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
 from contextpilot_integrations.whatif.engine_compare import compare_on_engine
 
@@ -78,7 +79,7 @@ def bench_eviction_sync(args: argparse.Namespace) -> None:
     cache, allocator = build_cache("unified-rust", capacity=400)
     cache.take_events()
     pilot = ContextPilot()
-    with pilot.start_eviction_listener(page_size=1) as listener:
+    with EvictionListener(pilot, page_size=1) as listener:
         config = json.dumps({"publisher": "contextpilot_http", "endpoint": listener.kv_events_url})
         publisher = EventPublisherFactory.create(config, 0)
         removed = 0

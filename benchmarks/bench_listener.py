@@ -22,7 +22,7 @@ import time
 import httpx
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.events import EvictionListener
+from contextpilot_integrations.engines import EvictionListener
 
 
 def concurrent_clients(clients: int) -> tuple[int, int, float]:

@@ -29,3 +29,19 @@ class UnknownStrategyError(ContextPilotError, ValueError):
 
 class DuplicateRequestError(ContextPilotError, ValueError):
     """A request id is already live in the index."""
+
+
+class EngineError(ContextPilotError):
+    """The engine did not serve the request; the message names the server."""
+
+
+class EngineUnavailable(EngineError):
+    """The server could not be reached, or did not answer in time."""
+
+
+class EngineHTTPError(EngineError):
+    """The server answered with an HTTP error status."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code

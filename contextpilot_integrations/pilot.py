@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
@@ -29,9 +29,6 @@ from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, make_reference
-
-if TYPE_CHECKING:
-    from .engines.events import EvictionListener
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -458,24 +455,6 @@ class ContextPilot:
         """Forget a conversation's seen blocks; returns whether it was tracked."""
         with self._lock:
             return self._conversations.end(conversation_id)
-
-    def start_eviction_listener(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        token: str | None = None,
-        max_body_bytes: int = 8 * 1024 * 1024,
-        page_size: int | None = None,
-    ) -> EvictionListener:
-        """Start the HTTP callback server that applies the engine's evictions to this pilot.
-
-        Returns the running :class:`~contextpilot_integrations.engines.events.EvictionListener`
-        (a context manager; ``.stop()`` ends it). Point SGLang at ``listener.kv_events_url``.
-        """
-        from .engines.events import EvictionListener
-
-        return EvictionListener(self, host, port, token=token, max_body_bytes=max_body_bytes, page_size=page_size)
 
     def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
         """Leading blocks of this send order the index predicts the engine holds."""

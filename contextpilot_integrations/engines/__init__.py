@@ -1,11 +1,31 @@
-"""Engine backends: send prepared requests to an inference server and read back its cache use."""
+"""Everything that talks to an inference server: send prepared requests, read back cached
+tokens, and keep the index true from the engine's KV-cache events.
 
-from .client import (
-    ChatResult,
-    EngineError,
-    EngineHTTPError,
-    EngineUnavailable,
-    OpenAICompatClient,
-)
+- :class:`OpenAICompatClient`: chat completions with the request id, TTFT and cached tokens;
+- :class:`EvictionListener`: the HTTP callback server our SGLang plugin posts events to;
+- :class:`KvEventSink`: applies event batches from any transport to a pilot;
+- :class:`EngineBlockMap`: engine block hashes <-> our request ids;
+- :mod:`.wire`: the engines' formats; :mod:`.sglang_plugin`: the publisher loaded in SGLang.
+"""
 
-__all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient"]
+from ..errors import EngineError, EngineHTTPError, EngineUnavailable
+from .client import ChatResult, OpenAICompatClient, redact_url
+from .kv_mapping import EngineBlockMap
+from .listener import EvictionListener
+from .sink import KvEventSink, SinkStats
+from .wire import REQUEST_ID_FIELDS, KvEventBatch
+
+__all__ = [
+    "REQUEST_ID_FIELDS",
+    "ChatResult",
+    "EngineBlockMap",
+    "EngineError",
+    "EngineHTTPError",
+    "EngineUnavailable",
+    "EvictionListener",
+    "KvEventBatch",
+    "KvEventSink",
+    "OpenAICompatClient",
+    "SinkStats",
+    "redact_url",
+]

@@ -26,32 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..errors import ContextPilotError
+from ..errors import EngineError, EngineHTTPError, EngineUnavailable
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
+from . import wire
 
 if TYPE_CHECKING:
-    from .events import EvictionListener
+    from .listener import EvictionListener
 
 __all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient", "redact_url"]
 
 _CREDENTIALS = re.compile(r"(//)[^/@\s]+@")  # user:password@ in a URL
-
-
-class EngineError(ContextPilotError):
-    """The engine did not serve the request; the message names the server."""
-
-
-class EngineUnavailable(EngineError):
-    """The server could not be reached, or did not answer in time."""
-
-
-class EngineHTTPError(EngineError):
-    """The server answered with an HTTP error status."""
-
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,52 +70,6 @@ def redact_url(url: str) -> str:
         host = f"[{host}]"
     netloc = f"{host}:{parts.port}" if parts.port else host
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _count(value: object, what: str, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineError(f"{where} answered a malformed {what}: {value!r}")
-    return value
-
-
-def _usage(raw: object, where: str) -> dict[str, Any]:
-    """The ``usage`` object, checked: counts are non-negative ints where present."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise EngineError(f"{where} answered a malformed usage: {raw!r:.100}")
-    for name in ("prompt_tokens", "completion_tokens"):
-        _count(raw.get(name), name, where)
-    details = raw.get("prompt_tokens_details")
-    if details is not None:
-        if not isinstance(details, dict):
-            raise EngineError(f"{where} answered malformed prompt_tokens_details: {details!r:.100}")
-        _count(details.get("cached_tokens"), "cached_tokens", where)
-    return raw
-
-
-def _input_ids(payload: dict[str, Any], where: str) -> list[int] | None:
-    """SGLang's prompt token ids (``sglext.input_ids``), when it was asked for them."""
-    sglext = payload.get("sglext")
-    ids = sglext.get("input_ids") if isinstance(sglext, dict) else None
-    if ids and isinstance(ids, list) and isinstance(ids[0], list):  # one list per choice
-        ids = ids[0]
-    if not ids:
-        return None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise EngineError(f"{where} answered malformed sglext.input_ids")
-    return ids
-
-
-def _error_message(payload: dict[str, Any]) -> str | None:
-    error = payload.get("error")
-    if error is None or (payload.get("choices") and payload.get("object") != "error"):
-        return None
-    if isinstance(error, dict):
-        return str(error.get("message") or error)[:300]
-    return str(error)[:300]
 
 
 class _Reader:
@@ -178,7 +117,7 @@ class _Reader:
             raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}") from None
         if not isinstance(event, dict):
             raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}")
-        message = _error_message(event)
+        message = wire.answer_error(event)
         if message is not None:
             raise EngineError(f"{self.where} reported an error mid-stream: {message}")
         choices = event.get("choices") or []
@@ -193,8 +132,8 @@ class _Reader:
                 self.first = time.perf_counter()
             self.text.append(piece)
         if event.get("usage") is not None:
-            self.usage = _usage(event["usage"], self.where)
-        self.input_ids = _input_ids(event, self.where) or self.input_ids
+            self.usage = wire.usage(event["usage"], self.where)
+        self.input_ids = wire.input_ids(event, self.where) or self.input_ids
         return False
 
     def result(self) -> _Parsed:
@@ -208,7 +147,7 @@ class _Reader:
             raise EngineError(f"{self.where} answered with malformed JSON: {self.buffer[:100]!r}") from None
         if not isinstance(payload, dict):
             raise EngineError(f"{self.where} answered {type(payload).__name__} instead of a JSON object")
-        message = _error_message(payload)
+        message = wire.answer_error(payload)
         if message is not None:
             raise EngineError(f"{self.where} reported an error: {message}")
         choices = payload.get("choices") or [{}]
@@ -220,7 +159,7 @@ class _Reader:
         text = (message_obj or {}).get("content") or ""
         if not isinstance(text, str):
             raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
-        return _Parsed(text, _usage(payload.get("usage"), self.where), None, _input_ids(payload, self.where))
+        return _Parsed(text, wire.usage(payload.get("usage"), self.where), None, wire.input_ids(payload, self.where))
 
 
 class OpenAICompatClient:
@@ -241,7 +180,7 @@ class OpenAICompatClient:
         id_fields: body fields that carry the request id (SGLang: ``rid`` and
             ``session_id``; vLLM: ``request_id``).
         extra_body: merged into every request body.
-        listener: an :class:`~contextpilot_integrations.engines.events.EvictionListener`;
+        listener: an :class:`~contextpilot_integrations.engines.listener.EvictionListener`;
             the client then asks SGLang for the prompt's token ids
             (``return_input_ids_in_sglext``) and registers them, so KV events can be
             mapped to this request. Without block boundaries in tokens, a lost block drops
@@ -260,7 +199,7 @@ class OpenAICompatClient:
         timeout: float = 60.0,
         deadline: float | None = None,
         max_response_bytes: int = 32 * 1024 * 1024,
-        id_fields: tuple[str, ...] = ("rid", "session_id"),
+        id_fields: tuple[str, ...] = wire.REQUEST_ID_FIELDS["sglang"],
         extra_body: dict[str, Any] | None = None,
         listener: EvictionListener | None = None,
     ) -> None:

@@ -13,7 +13,7 @@ block dropped from the map counts as removed (its holders are shortened), and a 
 no longer tracked is reported back so its prediction can be dropped too, since nothing
 would tell us later when the engine evicts it.
 
-Not thread-safe on its own: :class:`~contextpilot_integrations.engines.events.KvEventSink`
+Not thread-safe on its own: :class:`~contextpilot_integrations.engines.sink.KvEventSink`
 guards it.
 """
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from .wire import event_to_dict
+
 __all__ = ["PUBLISHER_NAME", "ContextPilotHttpPublisher", "register"]
 
 PUBLISHER_NAME = "contextpilot_http"
@@ -37,15 +39,6 @@ def register() -> None:
 
     with contextlib.suppress(KeyError):  # already registered in this process
         EventPublisherFactory.register_publisher(PUBLISHER_NAME, ContextPilotHttpPublisher)
-
-
-def event_to_dict(event: Any) -> dict[str, Any]:
-    """An SGLang (msgspec) KV event as JSON-ready data, tagged with its type."""
-    import msgspec
-
-    data: dict[str, Any] = msgspec.to_builtins(event)
-    data["type"] = type(event).__name__
-    return data
 
 
 class ContextPilotHttpPublisher:

@@ -196,12 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _listen(args: argparse.Namespace) -> int:
     import time
 
+    from ..engines import EvictionListener
     from ..pilot import ContextPilot
 
     try:
-        listener = ContextPilot().start_eviction_listener(
-            args.host, args.port, token=args.token, page_size=args.page_size
-        )
+        listener = EvictionListener(ContextPilot(), args.host, args.port, token=args.token, page_size=args.page_size)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

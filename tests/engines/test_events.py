@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.engines.events import EvictionListener
+from contextpilot_integrations.engines import EvictionListener
 from tests.sglang_support import build_cache, import_sglang, match_tokens, serve_tokens
 
 DEBUG = False
@@ -21,7 +21,7 @@ DEBUG = False
 
 @pytest.fixture()
 def listener() -> Iterator[EvictionListener]:
-    with ContextPilot().start_eviction_listener(token="s3cret", max_body_bytes=4096) as running:
+    with EvictionListener(ContextPilot(), token="s3cret", max_body_bytes=4096) as running:
         yield running
 
 
@@ -98,7 +98,7 @@ def test_sequence_gap_and_clear_reset_the_index(listener: EvictionListener) -> N
 
 def test_ten_thousand_events_a_second_for_ten_seconds() -> None:
     """Loopback only, bounded: 2 senders x 50 batches/s x 100 events, 10 s, none lost."""
-    with ContextPilot().start_eviction_listener() as running:
+    with EvictionListener(ContextPilot()) as running:
         url = running.kv_events_url
 
         def sender(name: str, base: int) -> None:
@@ -158,7 +158,7 @@ def test_index_follows_sglang_evictions(kind: str) -> None:
             ends.append(len(tokens))
         return tokens, ends
 
-    with pilot.start_eviction_listener(page_size=1) as running:
+    with EvictionListener(pilot, page_size=1) as running:
         config = json.dumps({"publisher": "contextpilot_http", "endpoint": running.kv_events_url})
         publisher = EventPublisherFactory.create(config, 0)
         assert type(publisher).__name__ == "ContextPilotHttpPublisher"
@@ -219,7 +219,7 @@ def test_plugin_publisher_drops_and_the_gap_is_seen() -> None:
     from contextpilot_integrations.engines.sglang_plugin import ContextPilotHttpPublisher
 
     pilot = ContextPilot()
-    with pilot.start_eviction_listener() as running:
+    with EvictionListener(pilot) as running:
         publisher = ContextPilotHttpPublisher(endpoint=running.kv_events_url, max_queue_size=1)
 
         def batch(h: int) -> KVEventBatch:

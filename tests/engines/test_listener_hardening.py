@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.events import EvictionListener, KvEventBatch, KvEventSink
+from contextpilot_integrations.engines import EvictionListener, KvEventBatch, KvEventSink
 from contextpilot_integrations.engines.kv_mapping import EngineBlockMap
 
 JSON = {"Content-Type": "application/json"}
@@ -22,7 +22,7 @@ HEAD = b"POST /evict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/js
 
 @pytest.fixture()
 def listener() -> Iterator[EvictionListener]:
-    with ContextPilot().start_eviction_listener() as running:
+    with EvictionListener(ContextPilot()) as running:
         yield running
 
 

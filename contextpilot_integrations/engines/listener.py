@@ -1,22 +1,8 @@
-"""Eviction sync: an HTTP callback server that keeps the pilot's index true.
+"""The HTTP callback server: SGLang's events (through our plugin) and ``/evict`` posts
+reach the :class:`~contextpilot_integrations.engines.sink.KvEventSink` of a pilot.
 
 SGLang (through our plugin, :mod:`.sglang_plugin`) POSTs its KV-cache event batches to
-``/kv-events``; engines that only know request ids POST ``/evict``. Each batch updates
-the :class:`EngineBlockMap` and shortens or drops the affected requests in the pilot.
-
-Sequence numbers, per publisher (one engine process and data-parallel rank):
-
-- the next number: applied;
-- a number already seen (a publisher retrying a batch whose answer it missed): a
-  duplicate, acknowledged and ignored;
-- a number further on: events were lost, so the pilot's index is reset, since it must
-  never predict a hit it cannot confirm;
-- a publisher id not seen before is a new engine process (a restart gets a new id). Its
-  first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
-  which resets the index; a new publisher whose first batch is not number 0 has lost
-  events, which resets it too.
-
-``AllBlocksCleared`` (engine restart, ``/flush_cache``) always resets the index.
+``/kv-events``; engines that only know request ids POST ``/evict``.
 
 The server is the standard library's threading HTTP server (no hand-written parsing),
 hardened for a loopback service a browser could reach: it binds 127.0.0.1 by default and
@@ -39,224 +25,30 @@ import re
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..pilot import ContextPilot
 from .kv_mapping import EngineBlockMap
+from .sink import KvEventSink
+from .wire import KvEventBatch
 
-__all__ = ["EvictionListener", "KvEventBatch", "KvEventSink", "SinkStats"]
+__all__ = ["EvictionListener"]
 
 logger = logging.getLogger(__name__)
 
 TOKEN_HEADER = "X-ContextPilot-Token"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-BlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
 _HOST = re.compile(r"\[?([^\[\]]+?)\]?(?::[0-9]+)?")
-
-
-class _Event(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class BlockStoredEvent(_Event):
-    type: Literal["BlockStored"]
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int]
-    block_size: int = Field(gt=0)
-    medium: str | None = None
-
-    @model_validator(mode="after")
-    def _pages_match_tokens(self) -> BlockStoredEvent:
-        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
-            raise ValueError(
-                f"{len(self.block_hashes)} blocks of {self.block_size} tokens but {len(self.token_ids)} token ids"
-            )
-        return self
-
-
-class BlockRemovedEvent(_Event):
-    type: Literal["BlockRemoved"]
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-
-
-class AllBlocksClearedEvent(_Event):
-    type: Literal["AllBlocksCleared"]
-
-
-KvEvent = Annotated[BlockStoredEvent | BlockRemovedEvent | AllBlocksClearedEvent, Field(discriminator="type")]
-
-
-class KvEventBatch(BaseModel):
-    """One batch as our SGLang plugin sends it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    seq: int = Field(ge=0, lt=2**63)
-    events: list[KvEvent]
-    ts: float | None = Field(default=None, allow_inf_nan=False)
-    """Publisher's wall-clock time when the batch was published (for latency)."""
-    rank: int = Field(default=0, ge=0, lt=2**31)
-    publisher: str = Field(default="default", min_length=1, max_length=200)
-
-    @property
-    def block_count(self) -> int:
-        return sum(len(getattr(event, "block_hashes", ())) for event in self.events)
 
 
 class EvictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_ids: list[str]
-
-
-class SinkStats(BaseModel):
-    """What the sink has received and done."""
-
-    batches: int = 0
-    events: int = 0
-    duplicate_batches: int = 0
-    sequence_gaps: int = 0
-    index_resets: int = 0
-    publishers: int = 0
-    requests_shortened: int = 0
-    requests_evicted: int = 0
-    requests_untracked: int = 0
-    """Requests dropped from the index because the block map's bounds forgot them."""
-    unknown_request_ids: int = 0
-    rejected: int = 0
-    connections_refused: int = 0
-    idle_connections_closed: int = 0
-    tracked_requests: int = 0
-    engine_blocks: int = 0
-    latency_p50_ms: float | None = None
-    latency_p99_ms: float | None = None
-
-
-class KvEventSink:
-    """Applies event batches and evictions to a pilot (thread-safe).
-
-    Transport-neutral: the HTTP listener and the ZMQ subscriber both feed it.
-
-    Args:
-        pilot: the pilot whose index the events keep true.
-        block_map: engine blocks <-> request ids (bounded; see :class:`EngineBlockMap`).
-        max_publishers: sequence numbers remembered for at most this many publishers
-            (least recently heard forgotten first).
-    """
-
-    def __init__(
-        self, pilot: ContextPilot, block_map: EngineBlockMap | None = None, *, max_publishers: int = 1_024
-    ) -> None:
-        self.pilot = pilot
-        self.block_map = block_map if block_map is not None else EngineBlockMap()  # an empty map is falsy
-        self.max_publishers = max_publishers
-        self._lock = threading.Lock()
-        self._last_seq: OrderedDict[tuple[str, int], int] = OrderedDict()
-        self._stats = SinkStats()
-        self._latencies: deque[float] = deque(maxlen=10_000)
-
-    def track(self, request_id: str, token_ids: Iterable[int], block_ends: Iterable[int] | None = None) -> None:
-        """Record a sent request's prompt token ids (and where each of its blocks ends)."""
-        tokens = list(token_ids)
-        ends = list(block_ends) if block_ends is not None else None
-        with self._lock:
-            self.block_map.track(request_id, tokens, ends)
-            self._evict_untracked()
-
-    def forget(self, request_id: str) -> None:
-        """Stop tracking a request (it failed, or the pilot forgot it)."""
-        with self._lock:
-            self.block_map.forget(request_id)
-
-    def apply(self, batch: KvEventBatch) -> bool:
-        """Apply one batch; returns False for a duplicate (already applied) batch."""
-        with self._lock:
-            stats = self._stats
-            source = (batch.publisher, batch.rank)
-            last = self._last_seq.get(source)
-            if last is not None and batch.seq <= last:
-                stats.duplicate_batches += 1
-                return False
-            if (last is not None and batch.seq != last + 1) or (
-                last is None and batch.seq > 0 and self.pilot.stats().live_requests
-            ):
-                stats.sequence_gaps += 1
-                self._reset()  # events were lost: predict nothing we cannot confirm
-            self._last_seq[source] = batch.seq
-            self._last_seq.move_to_end(source)
-            while len(self._last_seq) > self.max_publishers:
-                self._last_seq.popitem(last=False)
-            stats.publishers = len(self._last_seq)
-            for event in batch.events:
-                if isinstance(event, BlockStoredEvent):
-                    grown, shortened = self.block_map.stored(
-                        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.medium
-                    )
-                    for request_id, tokens in grown.items():
-                        self.pilot.restore(request_id, self.block_map.blocks_within(request_id, tokens))
-                    self._shorten(shortened)
-                elif isinstance(event, BlockRemovedEvent):
-                    self._shorten(self.block_map.removed(event.block_hashes, event.medium))
-                else:
-                    self._reset()
-            stats.batches += 1
-            stats.events += len(batch.events)
-            if batch.ts is not None:
-                self._latencies.append(max(0.0, time.time() - batch.ts))
-            return True
-
-    def evict(self, request_ids: list[str]) -> int:
-        with self._lock:
-            for request_id in request_ids:
-                self.block_map.forget(request_id)
-            known = self.pilot.evict(request_ids)
-            self._stats.requests_evicted += known
-            self._stats.unknown_request_ids += len(set(request_ids)) - known
-            return known
-
-    def count(self, name: str) -> None:
-        """Add one to a counter of :class:`SinkStats` (refusals, closed connections)."""
-        with self._lock:
-            setattr(self._stats, name, getattr(self._stats, name) + 1)
-
-    def reject(self) -> None:
-        self.count("rejected")
-
-    def stats(self) -> SinkStats:
-        with self._lock:
-            latencies = sorted(self._latencies)
-            update: dict[str, Any] = {
-                "tracked_requests": len(self.block_map),
-                "engine_blocks": self.block_map.stored_blocks,
-            }
-            if latencies:
-                update["latency_p50_ms"] = latencies[len(latencies) // 2] * 1e3
-                update["latency_p99_ms"] = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
-            return self._stats.model_copy(update=update)
-
-    def _shorten(self, cached: dict[str, int]) -> None:
-        for request_id, tokens in cached.items():
-            keep = self.block_map.blocks_within(request_id, tokens)
-            if keep is not None and self.pilot.truncate(request_id, keep):
-                self._stats.requests_shortened += 1
-
-    def _evict_untracked(self) -> None:
-        dropped = self.block_map.take_dropped()
-        if dropped:
-            self._stats.requests_untracked += self.pilot.evict(dropped)
-
-    def _reset(self) -> None:
-        self.block_map.cleared()
-        self.pilot.reset()
-        self._stats.index_resets += 1
 
 
 class _Server(ThreadingHTTPServer):

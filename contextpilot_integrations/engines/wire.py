@@ -1,0 +1,148 @@
+"""The engines' wire formats, in one place: what SGLang, vLLM and OpenAI-compatible servers
+send and expect.
+
+- KV-cache events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in batches with
+  a sequence number): validated models, as our SGLang plugin posts them in JSON;
+- the plugin's conversion of SGLang's msgspec events to JSON;
+- the request-id body fields each engine reads, and the parts of an OpenAI-style answer we
+  read back (usage with ``prompt_tokens_details.cached_tokens``, SGLang's
+  ``sglext.input_ids``, error objects).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..errors import EngineError
+
+__all__ = [
+    "REQUEST_ID_FIELDS",
+    "AllBlocksClearedEvent",
+    "BlockRemovedEvent",
+    "BlockStoredEvent",
+    "KvEvent",
+    "KvEventBatch",
+    "event_to_dict",
+    "answer_error",
+    "input_ids",
+    "usage",
+]
+
+REQUEST_ID_FIELDS: dict[str, tuple[str, ...]] = {
+    "sglang": ("rid", "session_id"),  # SGLang copies session_id into its stored-block events
+    "vllm": ("request_id",),
+    "llamacpp": (),
+    "openai": (),
+}
+"""Body fields that carry our request id, per engine."""
+
+BlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class BlockStoredEvent(_Event):
+    type: Literal["BlockStored"]
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int]
+    block_size: int = Field(gt=0)
+    medium: str | None = None
+
+    @model_validator(mode="after")
+    def _pages_match_tokens(self) -> BlockStoredEvent:
+        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
+            raise ValueError(
+                f"{len(self.block_hashes)} blocks of {self.block_size} tokens but {len(self.token_ids)} token ids"
+            )
+        return self
+
+
+class BlockRemovedEvent(_Event):
+    type: Literal["BlockRemoved"]
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class AllBlocksClearedEvent(_Event):
+    type: Literal["AllBlocksCleared"]
+
+
+KvEvent = Annotated[BlockStoredEvent | BlockRemovedEvent | AllBlocksClearedEvent, Field(discriminator="type")]
+
+
+class KvEventBatch(BaseModel):
+    """One batch as our SGLang plugin sends it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    seq: int = Field(ge=0, lt=2**63)
+    events: list[KvEvent]
+    ts: float | None = Field(default=None, allow_inf_nan=False)
+    """Publisher's wall-clock time when the batch was published (for latency)."""
+    rank: int = Field(default=0, ge=0, lt=2**31)
+    publisher: str = Field(default="default", min_length=1, max_length=200)
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(getattr(event, "block_hashes", ())) for event in self.events)
+
+
+def event_to_dict(event: Any) -> dict[str, Any]:
+    """An SGLang (msgspec) KV event as JSON-ready data, tagged with its type."""
+    import msgspec
+
+    data: dict[str, Any] = msgspec.to_builtins(event)
+    data["type"] = type(event).__name__
+    return data
+
+
+def _count(value: object, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EngineError(f"{where} answered a malformed {what}: {value!r}")
+    return value
+
+
+def usage(raw: object, where: str) -> dict[str, Any]:
+    """The ``usage`` object, checked: counts are non-negative ints where present."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise EngineError(f"{where} answered a malformed usage: {raw!r:.100}")
+    for name in ("prompt_tokens", "completion_tokens"):
+        _count(raw.get(name), name, where)
+    details = raw.get("prompt_tokens_details")
+    if details is not None:
+        if not isinstance(details, dict):
+            raise EngineError(f"{where} answered malformed prompt_tokens_details: {details!r:.100}")
+        _count(details.get("cached_tokens"), "cached_tokens", where)
+    return raw
+
+
+def input_ids(payload: dict[str, Any], where: str) -> list[int] | None:
+    """SGLang's prompt token ids (``sglext.input_ids``), when it was asked for them."""
+    sglext = payload.get("sglext")
+    ids = sglext.get("input_ids") if isinstance(sglext, dict) else None
+    if ids and isinstance(ids, list) and isinstance(ids[0], list):  # one list per choice
+        ids = ids[0]
+    if not ids:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise EngineError(f"{where} answered malformed sglext.input_ids")
+    return ids
+
+
+def answer_error(payload: dict[str, Any]) -> str | None:
+    """The message of an error object in an answer (``{"error": ...}``), if it is one."""
+    error = payload.get("error")
+    if error is None or (payload.get("choices") and payload.get("object") != "error"):
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error)[:300]

@@ -1,0 +1,188 @@
+"""A real prefix-caching engine on any machine: llama.cpp's ``llama-server`` on CPU.
+
+Used by the engine comparison (``demo --engine-cmd``), the benchmarks and the test suites
+of all three distributions. The binary is built once from the llama-cpp-python sdist on
+PyPI by ``scripts/build_llama_server.sh`` (``./run.sh test`` does it) and cached outside
+the repository. :func:`write_tiny_gguf` writes a random-weight llama GGUF (~7 MB, about
+one token per character): its answers are noise, but prefill is real, so cached tokens and
+time to first token are real. It binds 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+__all__ = ["LlamaServer", "ServerProcess", "free_port", "llama_server_binary", "write_tiny_gguf"]
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def llama_server_binary() -> Path | None:
+    """``$LLAMA_SERVER``, else the cached build, else ``llama-server`` on ``PATH``."""
+    explicit = os.environ.get("LLAMA_SERVER")
+    if explicit:
+        return Path(explicit)
+    cache = Path(os.environ.get("CONTEXTPILOT_CACHE", Path.home() / ".cache" / "contextpilot-integrations"))
+    candidate = cache / "llama-server" / "bin" / "llama-server"
+    if candidate.exists():
+        return candidate
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def write_tiny_gguf(
+    path: Path, dim: int = 256, layers: int = 4, ff: int = 768, heads: int = 4, ctx: int = 8192
+) -> Path:
+    """A random-weight llama GGUF with a byte-fallback SentencePiece-style vocabulary.
+
+    Needs the ``gguf`` package (in the ``dev`` extra).
+    """
+    import numpy as np
+    from gguf import GGUFWriter, TokenType
+
+    tokens: list[str] = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"]
+    tokens += [chr(c) for c in range(33, 127)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    types += [TokenType.NORMAL] * (1 + 94)
+    scores = [0.0] * 259 + [-1.0] + [-2.0] * 94
+    rng = np.random.default_rng(0)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float16)
+
+    head_dim = dim // heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-random-llama")
+    writer.add_context_length(ctx)
+    writer.add_embedding_length(dim)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_file_type(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(CHATML)
+    writer.add_tensor("token_embd.weight", weight(len(tokens), dim))
+    writer.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
+    writer.add_tensor("output.weight", weight(len(tokens), dim))
+    for i in range(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(dim, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(p + name + ".weight", weight(dim, dim))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(dim, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", weight(ff, dim))
+        writer.add_tensor(p + "ffn_up.weight", weight(ff, dim))
+        writer.add_tensor(p + "ffn_down.weight", weight(dim, ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """An engine started from a command line, waited for until ``/health`` answers 200.
+
+    Used where a cache must start empty and the engine cannot flush it: stop the process
+    and start it again. ``{port}`` in the command is replaced by a free port.
+    """
+
+    def __init__(self, command: str | Sequence[str], log: Path | None = None, startup_timeout: float = 120.0) -> None:
+        args = shlex.split(command) if isinstance(command, str) else list(command)
+        self.port = free_port()
+        self.args = [arg.replace("{port}", str(self.port)) for arg in args]
+        self.url = f"http://127.0.0.1:{self.port}"
+        for i, arg in enumerate(self.args[:-1]):
+            if arg == "--port":
+                self.port = int(self.args[i + 1])
+                self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("w") if log is not None else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = log.read_text()[-2000:] if log is not None else ""
+                raise RuntimeError(f"the engine exited with status {self.process.returncode}: {tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the engine did not answer {self.url}/health within {startup_timeout:.0f} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LlamaServer(ServerProcess):
+    """``llama-server`` on 127.0.0.1, one slot and no RAM prompt cache by default."""
+
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        log: Path | None = None,
+        extra_args: Sequence[str] = (),
+        *,
+        context: int = 8192,
+        slots: int = 1,
+        threads: int = 2,
+    ) -> None:
+        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}"]
+        args += ["-c", str(context), "-np", str(slots), "-t", str(threads), "--cache-ram", "0", *extra_args]
+        super().__init__(args, log, startup_timeout=60.0)
+
+    @classmethod
+    def command(cls, binary: Path, model: Path, extra_args: Sequence[str] = ()) -> str:
+        """The command line ``demo --engine-cmd`` takes for this server (``{port}`` kept)."""
+        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}"]
+        args += ["-c", "8192", "-np", "1", "-t", "2", "--cache-ram", "0", *extra_args]
+        return shlex.join(args)

@@ -1,0 +1,89 @@
+"""Documents <-> blocks, and where a run's conversation id comes from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.runnables import RunnableConfig, ensure_config
+
+from contextpilot_integrations import Block, BlockTypeError, PreparedRequest, content_id, render_block
+
+CONVERSATION_KEYS = ("conversation_id", "thread_id", "session_id")
+METADATA_KEY = "contextpilot"
+EVENT_NAME = "contextpilot_prepared"
+
+
+def conversation_id_from_config(config: RunnableConfig | None = None) -> str | None:
+    """``configurable.conversation_id`` / ``thread_id`` / ``session_id``, else ``metadata``.
+
+    Without a config, the run's config in context (set by chains and graphs) is read.
+    """
+    config = ensure_config(config)
+    for source in (config.get("configurable") or {}, config.get("metadata") or {}):
+        for key in CONVERSATION_KEYS:
+            value = source.get(key)
+            if value:
+                return str(value)
+    return None
+
+
+def document_id(document: Document) -> str | None:
+    block_id = document.id or document.metadata.get("id")
+    return str(block_id) if block_id else None
+
+
+def to_blocks(documents: Sequence[Document]) -> list[Block]:
+    """The retrieved documents as blocks (same identity: the document id, else a content hash)."""
+    blocks = []
+    for position, document in enumerate(documents):
+        if not isinstance(document, Document):
+            raise BlockTypeError(f"document #{position}: expected a Document, got {type(document).__name__}")
+        if not isinstance(document.page_content, str):
+            raise BlockTypeError(f"document #{position}: page_content must be str")
+        blocks.append(Block(id=document_id(document), text=document.page_content, metadata=document.metadata))
+    return blocks
+
+
+def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
+    """The retrieved documents in send order (sent ones, then referenced ones), annotated in
+    ``metadata["contextpilot"]`` (never as an extra document)."""
+    by_id: dict[str, Document] = {}
+    for document in documents:
+        by_id.setdefault(document_id(document) or content_id(document.page_content), document)
+    shared = {
+        "request_id": prepared.request_id,
+        "order_annotation": prepared.order_annotation,
+        "separator": prepared.templates.separator,
+    }
+    ranks = {block.id: rank for rank, block in enumerate(prepared.ranking)}
+    out = []
+    for position, block in enumerate(prepared.blocks):
+        rendered = render_block(block, prepared.templates)
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "text": rendered}
+        out.append(_annotated(by_id[block.id], {**info, "reference": None}))
+    for reference in prepared.references:
+        block = reference.block
+        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "text": None}
+        out.append(_annotated(by_id[block.id], {**info, "reference": reference.text}))
+    return out
+
+
+def _annotated(document: Document, info: dict[str, Any]) -> Document:
+    return Document(
+        page_content=document.page_content, id=document.id, metadata={**document.metadata, METADATA_KEY: info}
+    )
+
+
+def event_data(prepared: PreparedRequest) -> dict[str, Any]:
+    """The payload of the ``contextpilot_prepared`` custom event (for tracing)."""
+    return {
+        "request_id": prepared.request_id,
+        "conversation_id": prepared.conversation_id,
+        "turn": prepared.turn,
+        "sent": [b.id for b in prepared.blocks],
+        "references": [r.block.id for r in prepared.references],
+        "reordered": prepared.reordered,
+        "predicted_cached_tokens": prepared.cached_tokens,
+    }

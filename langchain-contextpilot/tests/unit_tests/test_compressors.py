@@ -1,0 +1,83 @@
+"""The compressor and LCEL step with real LangChain objects and a real BM25 retriever."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.runnables import RunnableLambda
+
+from contextpilot_integrations import BlockTypeError, ContextPilot
+from langchain_contextpilot import ContextPilotCompressor, contextpilot_reorder, format_documents_runnable
+from tests.support import QUERY, BM25ChunkRetriever
+
+
+def test_compressor_and_lcel_step_with_events() -> None:
+    events: list[dict[str, Any]] = []
+
+    class Collector(BaseCallbackHandler):
+        def on_custom_event(self, name: str, data: Any, **kwargs: Any) -> None:
+            events.append(data)
+
+    compressor = ContextPilotCompressor(pilot=ContextPilot())
+    documents = BM25ChunkRetriever(k=4).invoke(QUERY)
+    assert len(compressor.compress_documents(documents, QUERY)) == 4
+    chain = BM25ChunkRetriever(k=4) | compressor.as_runnable()
+    out = chain.invoke(QUERY, config={"callbacks": [Collector()], "configurable": {"thread_id": "x"}})
+    assert len(out) == 4 and events and events[-1]["conversation_id"] == "x"
+    assert len(asyncio.run(chain.ainvoke(QUERY))) == 4
+
+
+def test_bad_input() -> None:
+    compressor = ContextPilotCompressor()
+    no_ids = [Document(page_content="alpha"), Document(page_content="beta")]
+    assert [d.page_content for d in compressor.compress_documents(no_ids, "q")] == ["alpha", "beta"]
+    assert compressor.compress_documents([], "q") == []
+    broken = Document.model_construct(page_content=b"bytes", metadata={}, id=None)
+    with pytest.raises(BlockTypeError, match="page_content must be str"):
+        compressor.compress_documents([broken], "q")
+    with pytest.raises(BlockTypeError, match="expected a Document"):
+        compressor.compress_documents(["text"], "q")  # type: ignore[list-item]
+
+
+def test_in_contextual_compression_retriever_with_metadata() -> None:
+    from langchain_classic.retrievers import ContextualCompressionRetriever
+
+    ccr = ContextualCompressionRetriever(
+        base_compressor=ContextPilotCompressor(pilot=ContextPilot()), base_retriever=BM25ChunkRetriever(k=4)
+    )
+    config = {"metadata": {"conversation_id": "ccr"}}
+    first = ccr.invoke(QUERY, config=config)
+    second = asyncio.run(ccr.ainvoke(QUERY, config=config))
+    assert len(first) == len(second) == 4
+    assert all(d.metadata["contextpilot"]["reference"] for d in second)  # conversation read from metadata
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_in_a_chain_the_compressor_reads_configurable(use_async: bool) -> None:
+    """LangChain hands a compressor only callbacks; inside a chain (or a graph) the run's
+    config is in context, and ``configurable`` names the conversation."""
+    from langchain_classic.retrievers import ContextualCompressionRetriever
+
+    ccr = ContextualCompressionRetriever(
+        base_compressor=ContextPilotCompressor(pilot=ContextPilot()), base_retriever=BM25ChunkRetriever(k=4)
+    )
+    chain = ccr | RunnableLambda(lambda documents: documents)
+    config = {"configurable": {"thread_id": f"ccr-{use_async}"}}
+
+    def turn() -> list[Document]:
+        return asyncio.run(chain.ainvoke(QUERY, config=config)) if use_async else chain.invoke(QUERY, config=config)
+
+    first, second = turn(), turn()
+    assert not any(d.metadata["contextpilot"]["reference"] for d in first)
+    assert all(d.metadata["contextpilot"]["reference"] for d in second)
+
+
+def test_lcel_helpers() -> None:
+    pilot = ContextPilot()
+    chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
+    text = chain.invoke(QUERY)
+    assert text.count("[Doc_") >= 3 and "priority order" in text and pilot.stats().requests_prepared == 1

@@ -1,0 +1,58 @@
+"""The retriever wrapper: same documents, send order, conversation from the run config."""
+
+from __future__ import annotations
+
+import asyncio
+
+from contextpilot_integrations import ContextPilot
+from langchain_contextpilot import (
+    ContextPilotCompressor,
+    ContextPilotRetriever,
+    conversation_id_from_config,
+    format_documents,
+)
+from tests.support import QUERY, BM25ChunkRetriever
+
+
+def test_retriever_reorders_and_annotates_without_extra_documents() -> None:
+    pilot = ContextPilot()
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=8), pilot=pilot)
+    first = retriever.invoke(QUERY)
+    again = retriever.invoke("Which crypto executive was accused of fraud?")
+    assert len(first) == len(again) == 8
+    info = first[0].metadata["contextpilot"]
+    assert info["order_annotation"].startswith("Please read the context") and info["request_id"]
+    assert first[0].metadata["title"]  # the retriever's metadata is kept
+    # the same documents retrieved in another order are sent in the first request's order
+    reversed_docs = ContextPilotCompressor(pilot=pilot).compress_documents(list(reversed(first)), QUERY)
+    assert [d.id for d in reversed_docs] == [d.id for d in first]
+    text = format_documents(again)
+    assert text.index("[Doc_") < text.index("priority order")
+
+
+def test_conversation_id_from_config_and_references() -> None:
+    assert conversation_id_from_config({"configurable": {"thread_id": "t1"}}) == "t1"
+    assert conversation_id_from_config({"configurable": {"session_id": "s"}}) == "s"
+    assert conversation_id_from_config({"metadata": {"conversation_id": "m"}}) == "m"
+    assert conversation_id_from_config({}) is None
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=ContextPilot())
+    config = {"configurable": {"thread_id": "chat-1"}}
+    retriever.invoke(QUERY, config=config)
+    second = retriever.invoke(QUERY, config=config)
+    assert len(second) == 5 and all(d.metadata["contextpilot"]["reference"] for d in second)
+    assert "Please refer to [Doc_" in format_documents(second)
+
+
+def test_batch_with_mixed_conversations_and_async_parity() -> None:
+    pilot = ContextPilot()
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=pilot)
+    configs = [{"configurable": {"thread_id": "a"}}, {"configurable": {"thread_id": "b"}}]
+    retriever.batch([QUERY, QUERY], config=configs)
+    again = retriever.batch([QUERY, "a different question about sports"], config=configs)
+    assert all(d.metadata["contextpilot"]["reference"] for d in again[0])  # "a" saw them already
+    assert pilot.stats().conversations == 2
+    sync_ids = [d.id for d in ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=6)).invoke(QUERY)]
+    async_ids = [
+        d.id for d in asyncio.run(ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=6)).ainvoke(QUERY))
+    ]
+    assert sync_ids == async_ids

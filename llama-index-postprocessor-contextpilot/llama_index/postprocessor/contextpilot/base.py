@@ -1,0 +1,99 @@
+"""ContextPilot as a LlamaIndex node postprocessor (where ``LongContextReorder`` goes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llama_index.core.bridge.pydantic import Field
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.base import BaseEvent
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from contextpilot_integrations import Block, ContextPilot, PreparedRequest
+
+__all__ = ["ContextPilotEvent", "ContextPilotPostprocessor"]
+
+dispatcher = get_dispatcher(__name__)
+LABEL_KEY = "contextpilot_label"
+
+
+class ContextPilotEvent(BaseEvent):
+    """What ContextPilot did to one request (for tracing)."""
+
+    request_id: str
+    conversation_id: str | None = None
+    turn: int | None = None
+    retrieved: list[str]
+    sent: list[str]
+    references: list[str]
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextPilotEvent"
+
+
+def to_blocks(nodes: Sequence[NodeWithScore]) -> list[Block]:
+    """Nodes as blocks: the node id is the identity, the text (no metadata) the content."""
+    return [
+        Block(id=item.node.node_id, text=item.node.get_content(metadata_mode=MetadataMode.NONE) or " ", metadata={})
+        for item in nodes
+    ]
+
+
+def emit(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> None:
+    dispatcher.event(
+        ContextPilotEvent(
+            request_id=prepared.request_id,
+            conversation_id=prepared.conversation_id,
+            turn=prepared.turn,
+            retrieved=[n.node.node_id for n in nodes],
+            sent=[b.id for b in prepared.blocks],
+            references=[r.block.id for r in prepared.references],
+        )
+    )
+
+
+def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
+    """Copies of the nodes in send order, labelled; originals (and the docstore) untouched."""
+    by_id = {item.node.node_id: item for item in nodes}
+    out = []
+    for block in [*prepared.blocks, *(r.block for r in prepared.references)]:
+        item = by_id[block.id]
+        node = item.node.model_copy(deep=False)
+        node.metadata = {**item.node.metadata, LABEL_KEY: block.label}
+        node.excluded_embed_metadata_keys = [*item.node.excluded_embed_metadata_keys, LABEL_KEY]
+        out.append(NodeWithScore(node=node, score=item.score))
+    return out
+
+
+class ContextPilotPostprocessor(BaseNodePostprocessor):
+    """Reorders retrieved nodes so shared ones form a common prefix (drop-in like
+    ``LongContextReorder``); scores and metadata kept, no node dropped.
+
+    Each node comes back as a copy labelled ``contextpilot_label`` (shown to the LLM, not
+    embedded); the order annotation joins the query string, which the QA template places
+    after the context.
+    """
+
+    pilot: ContextPilot = Field(default_factory=ContextPilot, exclude=True)
+    conversation_id: str | None = None
+    annotate_query: bool = True
+    """Append the order annotation to the query string (the QA template shows it after the context)."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextPilotPostprocessor"
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        if not nodes:
+            return []
+        query = query_bundle.query_str if query_bundle else ""
+        prepared = self.pilot.prepare(to_blocks(nodes), query, self.conversation_id)
+        emit(prepared, nodes)
+        annotation = prepared.order_annotation
+        if query_bundle is not None and self.annotate_query and annotation and annotation not in query_bundle.query_str:
+            query_bundle.query_str = f"{annotation}\n{query_bundle.query_str}"
+        return in_send_order(prepared, nodes)

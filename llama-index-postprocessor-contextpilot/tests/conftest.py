@@ -1,0 +1,42 @@
+"""Real LlamaIndex objects over the bundled MultiHop-RAG chunks, and a real llama-server.
+
+``MockEmbedding`` and ``MockLLM`` stand in for models offline (no model can run here
+without a download). ``CONTEXTPILOT_REQUIRE_ENGINE=1`` (CI) fails instead of skipping
+when llama-server is not built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from llama_index.core import Settings, VectorStoreIndex
+from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.llms import MockLLM
+from llama_index.core.schema import TextNode
+
+from contextpilot_integrations.whatif.datasets import load_multihop_rag
+from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def index() -> VectorStoreIndex:
+    Settings.embed_model = MockEmbedding(embed_dim=8)
+    Settings.llm = MockLLM()
+    chunks = list(load_multihop_rag().chunks.values())[:40]
+    nodes = [TextNode(id_=c.id, text=c.text[:500], metadata={"title": c.metadata["title"]}) for c in chunks]
+    return VectorStoreIndex(nodes)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    binary = llama_server_binary()
+    if binary is None:
+        if os.environ.get("CONTEXTPILOT_REQUIRE_ENGINE"):
+            raise RuntimeError("llama-server not found; run scripts/build_llama_server.sh")
+        pytest.skip("llama-server not built; ./run.sh test builds it")
+    workdir = tmp_path_factory.mktemp("llama-li")
+    server = LlamaServer(binary, write_tiny_gguf(workdir / "tiny.gguf"), workdir / "llama-server.log")
+    yield server
+    server.stop()

@@ -1,0 +1,55 @@
+"""The postprocessor with real LlamaIndex objects (VectorStoreIndex, query engines)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.core import VectorStoreIndex
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.postprocessor.contextpilot import ContextPilotEvent, ContextPilotPostprocessor
+
+from contextpilot_integrations import ContextPilot
+from tests.support import QUESTION
+
+
+def test_class() -> None:
+    names_of_base_classes = [b.__name__ for b in ContextPilotPostprocessor.__mro__]
+    assert BaseNodePostprocessor.__name__ in names_of_base_classes
+
+
+class _Events(BaseEventHandler):
+    events: list[Any] = []  # noqa: RUF012 - collected across the test
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TestEvents"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, ContextPilotEvent):
+            self.events.append(event)
+
+
+def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
+    handler = _Events()
+    get_dispatcher().add_event_handler(handler)
+    pilot = ContextPilot()
+    engine = index.as_query_engine(similarity_top_k=5, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)])
+    response = engine.query(QUESTION)
+    text = str(response)  # MockLLM echoes the prompt
+    assert "priority order" in text and text.index("contextpilot_label: Doc_") < text.index("priority order")
+    assert len(response.source_nodes) == 5 and all(n.score is not None for n in response.source_nodes)
+    assert all(n.node.metadata["title"] for n in response.source_nodes)
+    original = index.docstore.get_node(response.source_nodes[0].node.node_id)
+    assert "contextpilot_label" not in original.metadata  # copies are labelled, the docstore is not
+    assert handler.events and handler.events[-1].sent
+    again = engine.query(QUESTION)
+    assert [n.node.node_id for n in again.source_nodes] == [n.node.node_id for n in response.source_nodes]
+    assert pilot.stats().predicted_cached_blocks >= 5
+
+
+def test_postprocessor_on_its_own() -> None:
+    postprocessor = ContextPilotPostprocessor()
+    assert postprocessor.postprocess_nodes([], query_str="q") == []
+    assert ContextPilotPostprocessor.class_name() == "ContextPilotPostprocessor"
