@@ -1,30 +1,56 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (Python >= 3.10 and pip are all it needs):
 #   ./run.sh demo    set up .venv, then run the main job on the bundled MultiHop-RAG sample
-#   ./run.sh test    set up .venv with the test extras, then run the whole test suite
-#   ./run.sh bench   set up .venv, then run the benchmark scripts
+#   ./run.sh test    set up .venv with all three distributions, then lint, type-check and
+#                    run every test suite (core, langchain-contextpilot, llama-index-...)
+#   ./run.sh bench   set up .venv, then run the core benchmark
 # Extra arguments go to the command run (e.g. ./run.sh test -k pilot).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
 VENV="$(realpath -m "${VENV:-.venv}")"  # absolute: pip builds sdists from other directories
+PY="$VENV/bin/python"
+ADAPTERS=(langchain-contextpilot llama-index-postprocessor-contextpilot)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# install once; again only when a pyproject.toml changed (editable: code changes need nothing)
 setup() {
-  if [ ! -x "$VENV/bin/python" ]; then
+  local extras="$1" with_adapters="${2:-}"
+  if [ ! -x "$PY" ]; then
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet --upgrade pip
   fi
-  "$VENV/bin/python" -m pip install --quiet -e ".[$1]"
+  local stamp="$VENV/.contextpilot-installed-$extras" want
+  want="$(cat pyproject.toml "${ADAPTERS[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    local targets=(-e ".[$extras]")
+    if [ -n "$with_adapters" ]; then
+      for adapter in "${ADAPTERS[@]}"; do targets+=(-e "./$adapter"); done
+    fi
+    "$PY" -m pip install --quiet "${targets[@]}"
+    echo "$want" >"$stamp"
+  fi
 }
 
 # SGLang's radix cache runs on CPU in the tests: torch CPU (pip takes the local CPU wheel
 # where PIP_FIND_LINKS offers one) and sglang without its GPU dependencies.
 setup_sglang() {
-  if ! "$VENV/bin/python" -c "import sglang" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install --quiet torch==2.13.0 orjson psutil pybase64 requests packaging \
+  if ! "$PY" -c "import sglang" 2>/dev/null; then
+    "$PY" -m pip install --quiet torch==2.13.0 orjson psutil pybase64 requests packaging \
       pillow starlette msgspec pyzmq IPython aiohttp transformers dill openai partial-json-parser
-    "$VENV/bin/python" -m pip install --quiet --no-deps sglang==0.5.23 sentencepiece compressed-tensors loguru gguf
+    "$PY" -m pip install --quiet --no-deps sglang==0.5.23 sentencepiece compressed-tensors loguru gguf
   fi
+}
+
+# every suite runs; "no tests" (exit 5) is fine only where arguments filtered them all out
+# and another suite ran tests
+run_suites() {
+  local failed=0 ran=0 code
+  for dir in . "${ADAPTERS[@]}"; do
+    (cd "$dir" && "$PY" -m pytest "$@") && code=0 || code=$?
+    if [ "$code" -eq 0 ]; then ran=1; elif [ "$code" -ne 5 ] || [ "$#" -eq 0 ]; then failed=1; fi
+  done
+  [ "$failed" -eq 0 ] && [ "$ran" -eq 1 ]
 }
 
 command="${1:-demo}"
@@ -35,17 +61,21 @@ case "$command" in
     exec "$VENV/bin/contextpilot-integrations" demo "$@"
     ;;
   test)
-    setup dev
+    setup dev with-adapters
     setup_sglang
     # a real prefix-caching server for the end-to-end tests (built once, cached outside the repo)
     LLAMA_SERVER="$(PATH="$VENV/bin:$PATH" scripts/build_llama_server.sh | tail -n 1)"
     export LLAMA_SERVER
-    "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks langchain llamaindex
-    exec "$VENV/bin/python" -m pytest "$@"
+    "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
+    "$VENV/bin/ruff" format --check --quiet contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
+    "$VENV/bin/mypy" contextpilot_integrations  # strict (pyproject.toml)
+    (cd langchain-contextpilot && "$VENV/bin/mypy" langchain_contextpilot)
+    (cd llama-index-postprocessor-contextpilot && "$VENV/bin/mypy" --namespace-packages --explicit-package-bases llama_index)
+    run_suites "$@"
     ;;
   bench)
     setup dev
-    exec "$VENV/bin/python" benchmarks/bench_core.py "$@"
+    exec "$PY" benchmarks/bench_core.py "$@"
     ;;
   *)
     echo "usage: ./run.sh {demo|test|bench} [args...]" >&2

@@ -28,7 +28,7 @@ from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
-from .prepared import PreparedRequest, make_reference
+from .prepared import PreparedRequest, Reference, make_reference
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -212,7 +212,7 @@ class ContextPilot:
         by_id = {block.id: block for block in blocks}
         turn: int | None = None
         fresh = blocks
-        references = ()
+        references: tuple[Reference, ...] = ()
         dedup = None
         if conversation_id is not None:
             dedup = self._conversations.split(conversation_id, blocks, kept_turns)
@@ -460,6 +460,12 @@ class ContextPilot:
         """Leading blocks of this send order the index predicts the engine holds."""
         with self._lock:
             return self._trie.match_length(block_ids)
+
+    def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
+        """The predicted engine state, one entry per cached block position, pre-order:
+        (block ids from the root, live requests through this node, requests ending here)."""
+        with self._lock:
+            return list(self._trie.iter_nodes())
 
     def live_request_ids(self) -> list[str]:
         """Ids of the requests the index holds, oldest first."""

@@ -34,6 +34,14 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert text, "the notebook printed nothing"
+    errors = "".join(o.get("text", "") for o in outputs if o.output_type == "stream" and o.get("name") == "stderr")
+    assert "Warning" not in errors, errors[:500]
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
     assert images, "the notebook drew no plot"
     assert os.environ.get("CONTEXTPILOT_ENGINE_URL") is None
+
+
+def test_notebooks_print_no_warnings_and_read_no_private_state(tmp_path: Path) -> None:
+    for path in NOTEBOOKS:
+        source = "".join(cell.source for cell in nbformat.read(path, as_version=4).cells)
+        assert "._" not in source.replace("__", ""), f"{path.name} reads private state"

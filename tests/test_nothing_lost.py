@@ -194,8 +194,9 @@ def test_prepare_runs_while_a_plan_is_being_computed() -> None:
     latencies.sort()
     blocked = sum(latencies) / plan_seconds
     print(f"{strategy}: {len(latencies)} prepares, blocked {blocked:.0%} of a {plan_seconds:.2f} s plan")
-    assert len(planned) == 3_000 and len(latencies) >= 5
-    assert blocked < 0.5  # before: about 90% (each prepare waited for the rest of the plan)
+    assert len(planned) == 3_000
+    # before: about 5 (those before the plan took the lock; the next waited for the whole plan)
+    assert len(latencies) >= 50
     pilot.check()
 
 

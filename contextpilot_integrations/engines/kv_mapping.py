@@ -52,13 +52,13 @@ class _Block:
 class _Request:
     __slots__ = ("block_ends", "chain", "tokens")
 
-    def __init__(self, tokens: array, block_ends: tuple[int, ...] | None) -> None:
+    def __init__(self, tokens: array[int], block_ends: tuple[int, ...] | None) -> None:
         self.tokens = tokens
         self.block_ends = block_ends  # token offset where each of our blocks ends
         self.chain: list[int] = []  # engine block hashes of the cached prefix
 
 
-def _as_tokens(token_ids: Sequence[int]) -> array:
+def _as_tokens(token_ids: Sequence[int]) -> array[int]:
     try:
         return array("i", token_ids)
     except OverflowError:

@@ -155,8 +155,8 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     def setup(self) -> None:
-        self.timeout = self.server.idle_timeout  # applied to the socket by the base setup()
         super().setup()
+        self.connection.settimeout(self.server.idle_timeout)  # per connection: idle clients go
 
     def handle_one_request(self) -> None:
         try:
@@ -338,7 +338,8 @@ class EvictionListener:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        name = host.decode() if isinstance(host, bytes) else host
+        return f"http://{name}:{port}"
 
     @property
     def kv_events_url(self) -> str:

@@ -19,6 +19,7 @@ new blocks follow batch popularity, a canonical order later requests can follow 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ __all__ = ["agglomerate"]
 
 def agglomerate(
     requests: Sequence[Sequence[Hashable]],
-    tokens: Mapping[Hashable, int] | None = None,
+    tokens: Mapping[Any, int] | None = None,
     penalty: float = 0.0,
 ) -> BatchPlan:
     """Plan a batch: each request's order (indices into its own list) and the schedule.

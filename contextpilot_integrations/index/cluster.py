@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 from scipy.cluster.hierarchy import linkage
@@ -21,7 +22,10 @@ from scipy.cluster.hierarchy import linkage
 from ..errors import DuplicateRequestError
 from .distance import ALPHA, condensed_distances, context_distance
 
-__all__ = ["ClusterTree"]
+__all__ = ["ClusterTree", "LinkageMethod"]
+
+LinkageMethod = Literal["single", "complete", "average", "weighted", "centroid", "median", "ward"]
+"""scipy's linkage methods."""
 
 
 class _Node:
@@ -83,7 +87,7 @@ class ClusterTree:
     def __init__(
         self,
         alpha: float = ALPHA,
-        linkage_method: str = "average",
+        linkage_method: LinkageMethod = "average",
         max_cluster_size: int = 16_000,
         progress: Callable[[Sequence[int]], Sequence[int]] | None = None,
     ) -> None:

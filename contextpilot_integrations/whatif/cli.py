@@ -7,6 +7,7 @@ contextpilot-integrations simulate --trace my.jsonl # your own trace
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..index.strategies import STRATEGIES
+from ..pilot import ContextPilot
 from .engine_compare import EngineRun
 from .replay import (
     ReplayResult,
@@ -27,8 +30,20 @@ from .replay import (
     working_set_tokens,
 )
 
-STRATEGIES = ("retrieval", "paper", "trie")
-LABELS = {"retrieval": "retrieval order", "paper": "paper", "trie": "trie (default)"}
+DEFAULT_STRATEGY = inspect.signature(ContextPilot).parameters["strategy"].default
+
+
+def strategy_names() -> list[str]:
+    """The registered strategies, the baseline (retrieval order) first."""
+    return sorted(STRATEGIES, key=lambda name: (name != "retrieval", name))
+
+
+def label(strategy: str) -> str:
+    if strategy == "retrieval":
+        return "retrieval order"
+    return f"{strategy} (default)" if strategy == DEFAULT_STRATEGY else strategy
+
+
 DEFAULT_CAPACITIES = (0.1, 0.25, 0.5, 1.0)
 
 
@@ -119,7 +134,11 @@ def _parser() -> argparse.ArgumentParser:
             default=list(DEFAULT_CAPACITIES),
             help="cache sizes as fractions of the trace's distinct block tokens (default 0.1,0.25,0.5,1)",
         )
-        command.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
+        command.add_argument(
+            "--strategies",
+            default=",".join(strategy_names()),
+            help=f"comma-separated, from: {', '.join(strategy_names())} (default: all)",
+        )
         command.add_argument("--modes", default="offline,online", help="offline, online or both")
         command.add_argument("--json", action="store_true", help="print results as JSON")
         command.add_argument("--out", type=Path, default=Path("contextpilot-out"), help="where the plot goes")
@@ -197,7 +216,6 @@ def _listen(args: argparse.Namespace) -> int:
     import time
 
     from ..engines import EvictionListener
-    from ..pilot import ContextPilot
 
     try:
         listener = EvictionListener(ContextPilot(), args.host, args.port, token=args.token, page_size=args.page_size)
@@ -296,7 +314,7 @@ def _print_table(
         timing = f"{r.pilot_seconds:.2f} s" if r.mode == "offline" else f"{per:.0f} us/req"
         lead = f"{r.mode:<8}{fraction:>9.0%}" if key != previous else " " * 17
         of_bound = r.hit_ratio / bound if bound else 0.0
-        print(f"{lead}  {LABELS[r.strategy]:<16}{r.hit_ratio:>10.1%}{versus:>14}{of_bound:>10.1%}{timing:>13}")
+        print(f"{lead}  {label(r.strategy):<16}{r.hit_ratio:>10.1%}{versus:>14}{of_bound:>10.1%}{timing:>13}")
         previous = key
     if savings.turns:  # type: ignore[attr-defined]
         s = savings
@@ -359,10 +377,10 @@ def _plot(results: list[tuple[float, ReplayResult]], bound: float, out: Path, ti
     modes = list(dict.fromkeys(r.mode for _, r in results))
     fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
-        for strategy in STRATEGIES:
+        for strategy in strategy_names():
             points = sorted((f, r.hit_ratio) for f, r in results if r.mode == mode and r.strategy == strategy)
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=LABELS[strategy])
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label(strategy))
         ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label="reuse bound")
         ax.set_title(mode)
         ax.set_xlabel("cache capacity (share of distinct block tokens)")

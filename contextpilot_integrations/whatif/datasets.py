@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 from ..blocks import Block
 
@@ -48,7 +49,7 @@ class MultiHopRAG:
         return iter(self.queries)
 
 
-def _read_jsonl(name: str) -> Iterator[dict]:
+def _read_jsonl(name: str) -> Iterator[dict[str, Any]]:
     source = resources.files("contextpilot_integrations.whatif.data").joinpath(name)
     with source.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
         for line in lines:

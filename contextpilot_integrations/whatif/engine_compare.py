@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from ..blocks import Block
 from ..engines.client import OpenAICompatClient
-from ..pilot import ContextPilot, PreparedRequest
+from ..pilot import ContextPilot
+from ..prepared import PreparedRequest
 
 __all__ = ["EngineRun", "compare_on_engine", "flush_engine_cache"]
 

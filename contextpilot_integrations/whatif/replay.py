@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..blocks import Block
 from ..errors import ContextPilotError
-from ..pilot import BatchRequest, ContextPilot, PreparedRequest
+from ..pilot import BatchRequest, ContextPilot
+from ..prepared import PreparedRequest
 from .simulate import RadixCacheSimulator
 
 __all__ = [

@@ -32,7 +32,7 @@ class _Node:
         self.blocks = blocks
         self.tokens = sum(tokens for _, tokens in blocks)
         self.parent = parent
-        self.depth = (parent.depth if parent else 0) + len(blocks)  # blocks from the root
+        self.depth: int = (parent.depth if parent else 0) + len(blocks)  # blocks from the root
         self.children: dict[Hashable, _Node] = {}
         self.last_access = 0
         self.request_ids: list[str] = []  # requests whose cached path ends here

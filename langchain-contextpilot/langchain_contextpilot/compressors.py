@@ -59,7 +59,7 @@ class ContextPilotCompressor(BaseDocumentCompressor):
             await adispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": callbacks})
         return in_send_order(prepared, documents)
 
-    def as_runnable(self) -> RunnableLambda:
+    def as_runnable(self) -> RunnableLambda[Any, list[Document]]:
         """An LCEL step taking ``list[Document]`` or ``{"documents": [...], "question": str}``."""
 
         def reorder(value: Any, config: RunnableConfig) -> list[Document]:
@@ -90,6 +90,8 @@ def _documents_and_query(value: Any) -> tuple[list[Document], str]:
     return list(value), ""
 
 
-def contextpilot_reorder(pilot: ContextPilot | None = None, conversation_id: str | None = None) -> RunnableLambda:
+def contextpilot_reorder(
+    pilot: ContextPilot | None = None, conversation_id: str | None = None
+) -> RunnableLambda[Any, list[Document]]:
     """The LCEL step ``retriever | contextpilot_reorder(pilot)``: documents in send order."""
     return ContextPilotCompressor(pilot=pilot or ContextPilot(), conversation_id=conversation_id).as_runnable()

@@ -9,9 +9,9 @@ from typing import Any
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms.mock import MockLLMWithChatMemoryOfLastCall
 from llama_index.core.memory import Memory
-from llama_index.postprocessor.contextpilot import ContextPilotChatEngine
 
 from contextpilot_integrations import ContextPilot
+from llama_index.postprocessor.contextpilot import ContextPilotChatEngine
 from tests.support import QUESTION
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from llama_index.core import VectorStoreIndex
-from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, SGLangLLM
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.whatif.llama_server import LlamaServer
+from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, SGLangLLM
 from tests.support import QUESTION
 
 

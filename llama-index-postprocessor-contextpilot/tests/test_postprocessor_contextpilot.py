@@ -8,9 +8,9 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.postprocessor.contextpilot import ContextPilotEvent, ContextPilotPostprocessor
 
 from contextpilot_integrations import ContextPilot
+from llama_index.postprocessor.contextpilot import ContextPilotEvent, ContextPilotPostprocessor
 from tests.support import QUESTION
 
 

@@ -1,9 +1,10 @@
 """A LlamaIndex query engine and a memory-aware chat engine with ContextPilot.
 
-    python llamaindex/chat_engine.py                        # offline: MockLLM echoes the prompt
-    CONTEXTPILOT_ENGINE_URL=http://127.0.0.1:30000 python llamaindex/chat_engine.py
+    python examples/llamaindex_chat_engine.py             # offline: MockLLM echoes the prompt
+    CONTEXTPILOT_ENGINE_URL=http://127.0.0.1:30000 python examples/llamaindex_chat_engine.py
 
-Needs: pip install 'contextpilot-integrations[llamaindex]'
+Needs: pip install llama-index-postprocessor-contextpilot
+(from a clone: pip install ./ ./llama-index-postprocessor-contextpilot)
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from llama_index.core.llms.mock import MockLLMWithChatMemoryOfLastCall
 from llama_index.core.schema import TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.llamaindex import ContextPilotChatEngine, ContextPilotPostprocessor, SGLangLLM
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
+from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotPostprocessor, SGLangLLM
 
 Settings.embed_model = MockEmbedding(embed_dim=8)  # use your embedding model here
 chunks = list(load_multihop_rag().chunks.values())[:60]
-index = VectorStoreIndex([TextNode(id_=c.id, text=c.text[:500]) for c in chunks])
+index = VectorStoreIndex([TextNode(id_=c.id, text=c.text[:300]) for c in chunks])  # short: small demo models
 
 url = os.environ.get("CONTEXTPILOT_ENGINE_URL")
 llm = (
-    SGLangLLM(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), api_base=url + "/v1", api_key="unused")
+    SGLangLLM(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), api_base=url + "/v1", max_tokens=64)
     if url
     else MockLLMWithChatMemoryOfLastCall(is_chat_model=True, max_tokens=8)
 )

@@ -1,9 +1,9 @@
 """A LangChain RAG chain with ContextPilot, over the bundled MultiHop-RAG sample.
 
-    python langchain/rag_chain.py                       # prints the prompts (no server needed)
-    CONTEXTPILOT_ENGINE_URL=http://127.0.0.1:30000 python langchain/rag_chain.py   # and asks the server
+    python examples/langchain_rag_chain.py              # prints the prompts (no server needed)
+    CONTEXTPILOT_ENGINE_URL=http://127.0.0.1:30000 python examples/langchain_rag_chain.py   # and asks the server
 
-Needs: pip install 'contextpilot-integrations[langchain]' rank-bm25
+Needs: pip install langchain-contextpilot rank-bm25 (from a clone: pip install ./ ./langchain-contextpilot rank-bm25)
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from rank_bm25 import BM25Okapi
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.langchain import ChatSGLang, ContextPilotRetriever, format_documents
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
+from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, format_documents
 
 chunks = list(load_multihop_rag().chunks.values())
 index = BM25Okapi([chunk.text.lower().split() for chunk in chunks])
@@ -49,7 +49,8 @@ questions = [
 ]
 url = os.environ.get("CONTEXTPILOT_ENGINE_URL")
 if url:
-    chain = inputs | prompt | ChatSGLang(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), base_url=url + "/v1")
+    llm = ChatSGLang(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), base_url=url + "/v1", max_tokens=64)
+    chain = inputs | prompt | llm
     for n, question in enumerate(questions):
         answer = chain.invoke(question, config={"configurable": {"thread_id": "demo"}})
         cached = (answer.usage_metadata or {}).get("input_token_details", {}).get("cache_read")
