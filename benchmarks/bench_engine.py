@@ -1,10 +1,10 @@
 """Backend benchmark on a real prefix-caching server (a script, not a test).
 
-1. TTFT: the bundled MultiHop-RAG queries sent to llama.cpp's ``llama-server`` (built by
-   ``scripts/build_llama_server.sh``, tiny random-weight GGUF written locally, CPU) twice:
-   retrieval order, one query after another, vs. ContextPilot's order and schedule.
-   Prints mean and p90 time-to-first-token and the server-reported cached tokens side by
-   side. Target (issue 4): >= 2x lower mean TTFT.
+1. TTFT: the demo's engine comparison (``demo --engine-cmd``): the bundled MultiHop-RAG
+   queries sent to llama.cpp's ``llama-server`` (built by ``scripts/build_llama_server.sh``,
+   tiny random-weight GGUF written locally, CPU), offline, online and as interleaved chats,
+   retrieval order against ContextPilot, A B B A, every pass on a fresh server. Prints mean,
+   p50 and p90 time to first token and the server-reported cached tokens side by side.
 2. Eviction sync latency: SGLang's real RadixCache under capacity pressure publishes its
    KV events through our plugin publisher over HTTP to the callback server; prints the
    p50/p99 time from publish to index updated. Target: p99 <= 50 ms.
@@ -27,41 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.engines import EvictionListener
-from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from contextpilot_integrations.whatif.engine_compare import compare_on_engine
 
 
 def bench_ttft(args: argparse.Namespace) -> None:
-    data = load_multihop_rag()
-    requests = []
-    for query in data.queries[: args.requests]:
-        blocks = [b.model_copy(update={"text": b.text[: args.block_chars]}) for b in data.blocks_for(query)]
-        requests.append((blocks, query.text))
-    server = None
-    url = args.url
-    if url is None:
-        from tests.engine_support import start_llama_server
+    """The demo's engine comparison: every pass on a fresh llama-server (or a flushed --url)."""
+    from contextpilot_integrations.whatif.cli import main as cli
+    from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 
-        workdir = Path(tempfile.mkdtemp(prefix="cp-bench-"))
-        server = start_llama_server(workdir, extra_args=("--cache-ram", str(args.cache_ram)))
-        url = server.url
-    try:
-        baseline, ours = compare_on_engine(url, requests, progress=True)
-    finally:
-        if server is not None:
-            server.stop()
-    print(
-        f"\n== TTFT on {'llama-server (tiny GGUF, CPU)' if server else url}: {len(requests)} queries, "
-        f"15 chunks of <= {args.block_chars} chars =="
-    )
-    print(f"{'':<18}{'mean TTFT':>12}{'p90 TTFT':>12}{'cached / prompt tokens':>30}")
-    for run in (baseline, ours):
-        tokens = f"{run.cached_tokens:,} / {run.prompt_tokens:,} ({run.cached_ratio:.0%})"
-        print(f"{run.name:<18}{run.mean_ttft_s * 1e3:>10.0f}ms{run.p90_ttft_s * 1e3:>10.0f}ms{tokens:>30}")
-    print(
-        f"mean TTFT ratio (retrieval / ContextPilot): {baseline.mean_ttft_s / ours.mean_ttft_s:.2f}x; "
-        f"p90: {baseline.p90_ttft_s / ours.p90_ttft_s:.2f}x"
-    )
+    engine = ["--engine", args.url] if args.url else []
+    if not args.url:
+        binary = llama_server_binary()
+        if binary is None:
+            raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
+        model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
+        engine = ["--engine-cmd", LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))]
+    demo = ["demo", "--capacity", "0.25", "--no-plot", "--quiet", "--engine-requests", str(args.requests)]
+    sizes = ["--engine-block-chars", str(args.block_chars), "--engine-modes", args.modes, "--answer-tokens", "16"]
+    cli([*demo, *sizes, *engine])
 
 
 def bench_eviction_sync(args: argparse.Namespace) -> None:
@@ -117,7 +99,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--block-chars", type=int, default=250, help="cut chunks so 15 fit the tiny model's context")
     parser.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram (MiB of prompt cache)")
-    parser.add_argument("--url", help="use this running server instead of starting llama-server")
+    parser.add_argument("--url", help="use this running server (it must support /flush_cache) instead of llama-server")
+    parser.add_argument("--modes", default="offline,online,chat", help="modes compared on the server")
     parser.add_argument("--sync-requests", type=int, default=2_000)
     parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()

@@ -22,16 +22,15 @@ import tempfile
 import venv
 from pathlib import Path
 
-from contextpilot_integrations.whatif.replay import (
+from contextpilot_integrations.whatif import (
     ReplayResult,
     TraceRequest,
-    block_token_counts,
     multihop_trace,
     replay,
-    reuse_bound,
+    reuse_bound_of_prompts,
+    serve_orders,
     working_set_tokens,
 )
-from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
 
 UPSTREAM = "contextpilot==0.5.0"
 ENV_DIR = Path(tempfile.gettempdir()) / "contextpilot-upstream-0.5.0"
@@ -94,15 +93,12 @@ def run_upstream(trace: list[TraceRequest]) -> dict:
         return json.loads(result.read_text())
 
 
-def simulate_orders(trace: list[TraceRequest], orders: list[list[str]], capacity: int) -> float:
-    tokens = block_token_counts(trace)
-    cache = RadixCacheSimulator(capacity)
-    hit = total = 0
-    for n, order in enumerate(orders):
-        served = cache.request(str(n), [(b, tokens[b]) for b in order])
-        hit += served.hit_tokens
-        total += served.block_tokens
-    return hit / total
+def serve(
+    trace: list[TraceRequest], orders: list[list[str]], capacity: int, in_order: list[int] | None = None
+) -> float:
+    """Upstream's orders with the same whole prompts as ours (system, blocks, annotation, question)."""
+    indices = in_order if in_order is not None else list(range(len(orders)))
+    return serve_orders(trace, [(i, orders[n]) for n, i in enumerate(indices)], capacity).hit_ratio
 
 
 def cell(result: ReplayResult, requests: int) -> str:
@@ -123,20 +119,23 @@ def main() -> None:
     for _, order in upstream["offline"]:
         assert len(order) == 15, "upstream dropped blocks"
     working_set = working_set_tokens(trace)
-    bound = reuse_bound(trace)
-    print(f"\nMultiHop-RAG, {len(trace):,} requests; reuse bound {bound:.1%}; hit ratio (planning time)")
+    bound = reuse_bound_of_prompts(trace)
+    print(
+        f"\nMultiHop-RAG, {len(trace):,} requests; hit ratio = cached / prompt tokens (system prompt, blocks, "
+        f"order annotation, question); reuse bound {bound:.1%}; online feedback: ours request-level, upstream none"
+    )
     print(f"upstream online errors: {upstream['online_errors']} ({upstream['first_error']})")
     header = f"{'mode':<8}{'capacity':>9}{'retrieval':>12}{'upstream 0.5.0':>22}{'paper (ours)':>22}{'trie (ours)':>22}"
     print(header)
     for mode in ("offline", "online"):
         for fraction in fractions:
             capacity = int(working_set * fraction)
-            ours = {s: replay(trace, s, mode, capacity) for s in ("retrieval", "paper", "trie")}
+            ours = {s: replay(trace, s, mode, capacity) for s in ("retrieval", "paper", "trie")}  # type: ignore[arg-type]
             if mode == "offline":
-                up_hit = simulate_orders(trace, offline_orders, capacity)
+                up_hit = serve(trace, offline_orders, capacity, [index for index, _ in upstream["offline"]])
                 up_time = f"{upstream['offline_seconds']:.2f}s"
             else:
-                up_hit = simulate_orders(trace, upstream["online"], capacity)
+                up_hit = serve(trace, upstream["online"], capacity)
                 up_time = f"{upstream['online_seconds'] / len(trace) * 1e3:.2f}ms/req"
 
             print(

@@ -20,7 +20,8 @@ from .errors import BlockTypeError, DuplicateBlockError, InvalidBlockError
 __all__ = ["Block", "BlockLike", "content_id", "normalize_blocks"]
 
 _LABEL_SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
-_CHARS_PER_TOKEN = 4  # rough estimate used only when no token count is given
+CHARS_PER_TOKEN = 4
+"""Characters a token, roughly: the estimate used when no token count is given."""
 
 
 def content_id(text: str) -> str:
@@ -75,7 +76,7 @@ class Block(BaseModel):
         """The given token count, else an estimate (about four characters a token)."""
         if self.tokens is not None:
             return self.tokens
-        return max(1, len(self.text) // _CHARS_PER_TOKEN)
+        return max(1, len(self.text) // CHARS_PER_TOKEN)
 
 
 def _prepare_fields(data: dict[str, Any]) -> dict[str, Any]:

@@ -131,19 +131,21 @@ class SGLangRadix:
     def match(self, tokens: list[int]) -> int:
         return self.cache.match_prefix(self.sgl.MatchPrefixParams(key=self._key(tokens))).device_prefix_len
 
-    def serve(self, tokens: list[int]) -> int:
-        """One request; returns the cached prefix length SGLang reused."""
+    def serve(self, tokens: list[int], generated: list[int] | None = None) -> int:
+        """One request; returns the cached prefix length SGLang reused. ``generated``
+        tokens (an answer) are cached with the prompt when the request finishes."""
         sgl, cache = self.sgl, self.cache
         match = cache.match_prefix(sgl.MatchPrefixParams(key=self._key(tokens)))
         hit = match.device_prefix_len
         lock = cache.lock(match.last_device_node)
-        need = len(tokens) - hit
+        sequence = tokens + (generated or [])
+        need = len(sequence) - hit
         if need > self.allocator.available_size():
             cache.evict(sgl.EvictParams(num_tokens=need - self.allocator.available_size()))
         fresh = self.allocator.alloc(need)
         assert fresh is not None, "the request does not fit the cache"
         value = sgl.torch.cat([cache.path_device_indices(match.last_device_node), fresh]) if hit else fresh
-        result = cache.insert(sgl.InsertParams(key=self._key(tokens), value=value))
+        result = cache.insert(sgl.InsertParams(key=self._key(sequence), value=value))
         assert result.prefix_len == hit
         cache.unlock(lock)
         return hit

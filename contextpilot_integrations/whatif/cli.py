@@ -2,6 +2,7 @@
 
 contextpilot-integrations demo                      # bundled MultiHop-RAG sample
 contextpilot-integrations simulate --trace my.jsonl # your own trace
+contextpilot-integrations listen                    # the eviction callback server, standalone
 """
 
 from __future__ import annotations
@@ -11,26 +12,27 @@ import inspect
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .. import __version__
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
-from .engine_compare import EngineRun
-from .replay import (
-    ReplayResult,
-    TraceError,
-    TraceRequest,
-    conversation_savings,
-    load_trace,
-    multihop_trace,
-    replay,
-    reuse_bound,
-    working_set_tokens,
-)
+from .engine_compare import EngineComparison, EngineComparisonError
+from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, reuse_bound_of_prompts
+from .report import Row, as_json, plot, print_table
+from .trace import TraceError, TraceRequest, load_trace, multihop_trace, working_set_tokens
 
 DEFAULT_STRATEGY = inspect.signature(ContextPilot).parameters["strategy"].default
+DEFAULT_CAPACITIES = (0.1, 0.25, 0.5, 1.0)
+PAPER_LIMIT = 10_000
+FEEDBACK_HELP = (
+    "what the engine tells back about evictions (online and chat): exact (block-level), request "
+    "(a lost block drops the request: SGLang's KV events without block boundaries; the default), "
+    "none (llama.cpp)"
+)
 
 
 def strategy_names() -> list[str]:
@@ -44,9 +46,7 @@ def label(strategy: str) -> str:
     return f"{strategy} (default)" if strategy == DEFAULT_STRATEGY else strategy
 
 
-DEFAULT_CAPACITIES = (0.1, 0.25, 0.5, 1.0)
-
-
+# ---- argument types -------------------------------------------------------------------------
 def _capacities(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
@@ -67,14 +67,30 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _count(minimum: int) -> type:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def _names(choices: Sequence[str], what: str) -> type:
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"name at least one {what}, from: {', '.join(choices)}")
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(choices)})")
+        return list(dict.fromkeys(names))
+
+    return parse  # type: ignore[return-value]
 
 
 def _check_writable(path: Path, directory: bool) -> str | None:
@@ -99,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="contextpilot-integrations",
         description="Measure how much prefix-cache reuse ContextPilot gets on a retrieval trace.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     listen = commands.add_parser(
         "listen",
@@ -108,38 +125,77 @@ def _parser() -> argparse.ArgumentParser:
     listen.add_argument("--host", default="127.0.0.1", help="interface (127.0.0.1; others need --token)")
     listen.add_argument("--port", type=_port, default=8765)
     listen.add_argument("--token", help="shared secret the publisher must send (CONTEXTPILOT_EVENTS_TOKEN)")
-    listen.add_argument("--page-size", type=_positive, help="the engine's --page-size, if known")
+    listen.add_argument("--page-size", type=_count(1), help="the engine's --page-size, if known")
     listen.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     for name, help_text in (
-        ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15)"),
+        ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15; grouped into chats)"),
         ("simulate", "run your own JSON-lines trace"),
     ):
         command = commands.add_parser(name, help=help_text, description=help_text)
         if name == "simulate":
-            command.add_argument("--trace", required=True, type=Path, help="JSON lines: id, blocks, tokens?, ...")
-            command.add_argument("--plan-out", type=Path, help="write the offline plan of the default strategy")
-            command.add_argument("--limit", type=_positive, help="read only the first N requests of the trace")
-        else:
             command.add_argument(
-                "--engine", metavar="URL", help="also send the workload to this OpenAI-compatible server"
+                "--trace", required=True, type=Path, help="JSON lines: id, blocks, tokens?, texts?, question?, ..."
             )
-            command.add_argument("--engine-requests", type=int, default=200, help="queries sent to the server (200)")
+            command.add_argument("--limit", type=_count(1), help="read only the first N requests of the trace")
             command.add_argument(
-                "--engine-block-chars", type=int, default=None, help="cut each chunk to this many characters"
+                "--plan-out",
+                type=Path,
+                help="write the default strategy's plan (offline, else chat): per request, blocks sent and references",
             )
-            command.add_argument("--model", default="default", help="the model name the server expects")
         command.add_argument(
             "--capacity",
             type=_capacities,
             default=list(DEFAULT_CAPACITIES),
-            help="cache sizes as fractions of the trace's distinct block tokens (default 0.1,0.25,0.5,1)",
+            help="cache sizes as fractions of the working set (default 0.1,0.25,0.5,1)",
         )
         command.add_argument(
             "--strategies",
-            default=",".join(strategy_names()),
+            type=_names(strategy_names(), "strategy"),
+            default=strategy_names(),
             help=f"comma-separated, from: {', '.join(strategy_names())} (default: all)",
         )
-        command.add_argument("--modes", default="offline,online", help="offline, online or both")
+        command.add_argument(
+            "--modes",
+            type=_names(MODES, "mode"),
+            help="comma-separated, from: offline, online, chat (default: offline,online,chat for the demo; "
+            "chat for a trace with conversations, else offline,online)",
+        )
+        command.add_argument("--arrival", choices=ARRIVALS, default="interleave", help="online arrival order")
+        command.add_argument("--feedback", choices=FEEDBACKS, default="request", help=FEEDBACK_HELP)
+        command.add_argument(
+            "--history-turns",
+            type=_count(0),
+            default=4 if name == "demo" else None,
+            help="chat: earlier turns each prompt keeps (default: " + ("4)" if name == "demo" else "all)"),
+        )
+        command.add_argument("--answer-tokens", type=_count(0), default=64, help="chat: tokens of each answer (64)")
+        command.add_argument(
+            "--system-tokens", type=_count(0), default=PromptShape().system_tokens, help="tokens of the system prompt"
+        )
+        command.add_argument(
+            "--question-tokens", type=_count(1), default=16, help="tokens of a question for lines without its text (16)"
+        )
+        command.add_argument(
+            "--paper-limit",
+            type=_count(1),
+            default=PAPER_LIMIT,
+            help=f"skip the paper strategy above this many requests: its batch plan is quadratic ({PAPER_LIMIT:,})",
+        )
+        command.add_argument(
+            "--engine", metavar="URL", help="also compare on this OpenAI-compatible server (needs block texts)"
+        )
+        command.add_argument(
+            "--engine-cmd",
+            metavar="CMD",
+            help="start the server from this command line for every pass (a clean cache each time; "
+            "{port} is replaced by a free port), for servers without /flush_cache such as llama-server",
+        )
+        command.add_argument("--engine-requests", type=_count(1), default=200, help="requests sent per pass (200)")
+        command.add_argument(
+            "--engine-modes", type=_names(MODES, "mode"), default=list(MODES), help="modes compared on the server"
+        )
+        command.add_argument("--engine-block-chars", type=_count(1), help="cut each block to this many characters")
+        command.add_argument("--model", default="default", help="the model name the server expects")
         command.add_argument("--json", action="store_true", help="print results as JSON")
         command.add_argument("--out", type=Path, default=Path("contextpilot-out"), help="where the plot goes")
         command.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
@@ -147,69 +203,218 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@dataclass(frozen=True)
+class Workload:
+    title: str
+    single: list[TraceRequest]
+    chat: list[TraceRequest]
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.command == "demo":
+        single = multihop_trace(texts=bool(args.engine or args.engine_cmd))
+        grouped = multihop_trace(conversations=True, texts=bool(args.engine or args.engine_cmd))
+        sizes: dict[str | None, int] = {}
+        for request in grouped:
+            sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
+        chat = [r for r in grouped if r.conversation is not None and sizes[r.conversation] >= 2]
+        return Workload("MultiHop-RAG sample (bundled; ODC-BY 1.0)", single, chat)
+    trace = load_trace(args.trace, limit=args.limit)
+    return Workload(str(args.trace), trace, trace)
+
+
+def _chat_working_set(trace: Sequence[TraceRequest], shape: PromptShape, history_turns: int | None) -> int:
+    """What the baseline (every block resent) would leave in a cache that never evicts:
+    every conversation's prompts and answers, shared prefixes counted once."""
+    return replay(
+        trace, "retrieval", "chat", None, shape=shape, history_turns=history_turns, deduplicate=False
+    ).held_tokens
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "listen":
         return _listen(args)
     try:
-        if args.command == "demo":
-            trace = multihop_trace()
-            title = "MultiHop-RAG sample (bundled; ODC-BY 1.0)"
-            conversations = multihop_trace(conversations=True)
-        else:
-            trace = load_trace(args.trace, limit=args.limit)
-            title = str(args.trace)
-            conversations = trace
+        workload = _workload(args)
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES] + [m for m in modes if m not in ("offline", "online")]
-    if unknown:
-        print(f"error: unknown strategy or mode: {', '.join(unknown)}", file=sys.stderr)
+    has_chat = any(r.conversation is not None for r in workload.chat)
+    modes = args.modes or (list(MODES) if args.command == "demo" else (["chat"] if has_chat else ["offline", "online"]))
+    problem = _check_outputs(args, modes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    shape = PromptShape(args.system_tokens, args.question_tokens, args.answer_tokens)
+    notes: list[str] = []
+    strategies = list(args.strategies)
+    if "paper" in strategies and len(workload.single) > args.paper_limit:
+        strategies.remove("paper")
+        notes.append(
+            f"paper skipped: {len(workload.single):,} requests > --paper-limit {args.paper_limit:,} "
+            "(its batch plan is quadratic in time and memory; raise the limit to run it)"
+        )
+    runs = _runs(workload, modes, args.capacity, strategies, shape, args.history_turns)
+    plan: list[dict[str, object]] = []
+    plan_key = _plan_key(runs, args) if args.command == "simulate" and args.plan_out else None
+    rows = []
+    total = sum(len(trace) for trace, *_ in runs)
+    with tqdm(total=total, desc="replaying", unit="req", disable=args.quiet or args.json) as bar:
+        for trace, mode, fraction, capacity, strategy, dedup, baseline in runs:
+            bar.set_postfix_str(f"{mode} {fraction:.0%} {strategy}", refresh=False)
+            result = replay(
+                trace,
+                strategy,
+                mode,
+                capacity,
+                arrival=args.arrival,
+                feedback=args.feedback,
+                shape=shape,
+                history_turns=args.history_turns,
+                deduplicate=dedup,
+                plan_out=plan if (mode, fraction, strategy, dedup) == plan_key else None,
+                on_request=bar.update,
+            )
+            text = label(strategy) if mode != "chat" else _chat_label(strategy, dedup)
+            rows.append(Row(fraction, text, result, baseline))
+    notes += _notes(workload, rows)
+    if plan_key is not None:
+        args.plan_out.write_text("".join(json.dumps(row) + "\n" for row in plan), encoding="utf-8")
+    plot_path = None if args.no_plot else plot(rows, args.out, workload.title)
+    engine: EngineComparison | None = None
+    if args.engine or args.engine_cmd:
+        outcome = _run_engine(args, workload)
+        if isinstance(outcome, int):
+            return outcome
+        engine = outcome
+    if args.json:
+        report: dict[str, object] = {
+            "title": workload.title,
+            "requests": len(workload.single),
+            "chat_turns": len(workload.chat) if "chat" in modes else None,
+            "prompt_tokens": "system + chat history + blocks + references + annotation + question",
+            "arrival": args.arrival,
+            "feedback": args.feedback,
+            "history_turns": args.history_turns,
+            "reuse_bound": reuse_bound_of_prompts(workload.single, shape),
+            "results": as_json(rows),
+            "notes": notes,
+            "plot": str(plot_path) if plot_path else None,
+        }
+        if engine is not None:
+            report["engine"] = engine.as_json()
+        print(json.dumps(report, indent=2))
+        return 0
+    print_table(workload.title, _header(args, workload, modes, shape), rows, notes)
+    if plan_key is not None:
+        print(f"plan ({label(DEFAULT_STRATEGY)}, {plan_key[0]}, send order): {args.plan_out}")
+    if plot_path:
+        print(f"plot: {plot_path.resolve()}")
+    if engine is not None:
+        engine.print()
+    return 0
 
+
+Run = tuple[list[TraceRequest], Mode, float, int, str, bool, bool]
+
+
+def _runs(
+    workload: Workload,
+    modes: Sequence[Mode],
+    fractions: Sequence[float],
+    strategies: Sequence[str],
+    shape: PromptShape,
+    history_turns: int | None,
+) -> list[Run]:
+    """(trace, mode, fraction, capacity, strategy, de-duplicate, baseline) for every replay."""
+    runs: list[Run] = []
+    for mode in modes:
+        trace = workload.chat if mode == "chat" else workload.single
+        base = _chat_working_set(trace, shape, history_turns) if mode == "chat" else working_set_tokens(trace)
+        for fraction in fractions:
+            capacity = int(base * fraction)
+            if mode == "chat":
+                runs.append((trace, mode, fraction, capacity, "retrieval", False, True))
+            for strategy in strategies:
+                runs.append(
+                    (trace, mode, fraction, capacity, strategy, True, strategy == "retrieval" and mode != "chat")
+                )
+    return runs
+
+
+def _chat_label(strategy: str, dedup: bool) -> str:
+    return f"{label(strategy)} + de-dup" if dedup else "retrieval order, every block resent"
+
+
+def _check_outputs(args: argparse.Namespace, modes: Sequence[str]) -> str | None:
+    if args.command == "simulate" and args.plan_out:
+        if DEFAULT_STRATEGY not in args.strategies:
+            return f"--plan-out writes the {DEFAULT_STRATEGY} strategy's plan: add it to --strategies"
+        if not {"offline", "chat"} & set(modes):
+            return "--plan-out writes an offline or chat plan: add offline or chat to --modes"
     checks = [] if args.no_plot else [(args.out, True)]
     if args.command == "simulate" and args.plan_out:
         checks.append((args.plan_out, False))
     for path, directory in checks:
         problem = _check_writable(path, directory)
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+            return problem
+    if args.engine and args.engine_cmd:
+        return "give --engine URL or --engine-cmd CMD, not both"
+    return None
 
-    working_set = working_set_tokens(trace)
-    runs = [(mode, fraction, strategy) for mode in modes for fraction in args.capacity for strategy in strategies]
-    results: list[tuple[float, ReplayResult]] = []
-    plan: list[dict[str, object]] = []
-    progress = tqdm(runs, desc="replaying", unit="run", leave=False, disable=args.quiet or args.json)
-    for mode, fraction, strategy in progress:
-        wants_plan = args.command == "simulate" and args.plan_out and mode == "offline" and strategy == "trie"
-        capture = plan if wants_plan and not plan else None
-        capacity = int(working_set * fraction)
-        results.append((fraction, replay(trace, strategy, mode, capacity, plan_out=capture)))
 
-    bound = reuse_bound(trace)
-    savings = conversation_savings(conversations)
-    plot_path = None if args.no_plot else _plot(results, bound, args.out, title)
-    if args.command == "simulate" and args.plan_out:
-        args.plan_out.write_text("".join(json.dumps(row) + "\n" for row in plan), encoding="utf-8")
-    engine = _run_engine(args) if args.command == "demo" and args.engine else None
-    if engine is not None and not isinstance(engine, tuple):
-        return engine
-    if args.json:
-        report = _as_json(trace, results, bound, savings, plot_path)
-        if engine:
-            report["engine"] = [_engine_json(run) for run in engine]
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(title, trace, working_set, results, bound, savings, plot_path)
-        if args.command == "simulate" and args.plan_out:
-            print(f"plan (default strategy, offline, send order): {args.plan_out}")
-        if engine:
-            _print_engine(args.engine, engine)
-    return 0
+def _plan_key(runs: Sequence[Run], args: argparse.Namespace) -> tuple[str, float, str, bool] | None:
+    for _, mode, fraction, _, strategy, dedup, _ in runs:
+        if strategy == DEFAULT_STRATEGY and mode in ("offline", "chat") and dedup:
+            return mode, fraction, strategy, dedup
+    return None
+
+
+def _header(args: argparse.Namespace, workload: Workload, modes: Sequence[str], shape: PromptShape) -> list[str]:
+    lines = []
+    if {"offline", "online"} & set(modes):
+        trace = workload.single
+        blocks = sum(len(r.blocks) for r in trace)
+        lines.append(
+            f"single-shot: {len(trace):,} requests, {blocks:,} blocks, "
+            f"{working_set_tokens(trace):,} distinct block tokens (capacity is a share of these)"
+        )
+        bound = reuse_bound_of_prompts(trace, shape)
+        lines.append(
+            f"reuse bound (system prompt and blocks an earlier request sent, of all prompt tokens): {bound:.1%}"
+        )
+    if "online" in modes:
+        lines.append(f"online: arrival {args.arrival}, feedback {args.feedback}")
+    if "chat" in modes:
+        conversations = len({r.conversation or r.id for r in workload.chat})
+        history = "all turns" if args.history_turns is None else f"the last {args.history_turns} turns"
+        lines.append(
+            f"chat: {conversations:,} conversations, {len(workload.chat):,} turns, interleaved by turn; "
+            f"history {history}; answers of {shape.answer_tokens} tokens; feedback {args.feedback}; capacity is a "
+            "share of what resending every block would leave in a cache that never evicts"
+        )
+    return lines
+
+
+def _notes(workload: Workload, rows: Sequence[Row]) -> list[str]:
+    notes = []
+    guessed = sum(1 for r in workload.single if r.tokens is None)
+    if guessed:
+        from_text = sum(1 for r in workload.single if r.tokens is None and r.texts is not None)
+        notes.append(
+            f"{guessed:,} lines give no tokens: {from_text:,} estimated from texts (4 characters a token), "
+            f"the other {guessed - from_text:,} count each block as one token"
+        )
+    for row in rows:
+        r = row.result
+        if r.oversized_requests and not row.baseline:
+            notes.append(
+                f"{r.mode} at {row.fraction:.0%} ({r.capacity_tokens:,} tokens): {r.oversized_requests:,} prompts are "
+                "larger than the cache, and a request larger than the cache is never cached"
+            )
+    return list(dict.fromkeys(notes))
 
 
 def _listen(args: argparse.Namespace) -> int:
@@ -238,166 +443,13 @@ def _listen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_engine(args: argparse.Namespace) -> tuple[EngineRun, EngineRun] | int:
-    """Send the demo workload to the server: (baseline, ContextPilot), or an exit status."""
-    from ..engines.client import EngineError
-    from .datasets import load_multihop_rag
-    from .engine_compare import compare_on_engine
-
-    data = load_multihop_rag()
-    requests = []
-    for query in data.queries[: args.engine_requests]:
-        blocks = data.blocks_for(query)
-        if args.engine_block_chars:
-            blocks = [b.model_copy(update={"text": b.text[: args.engine_block_chars]}) for b in blocks]
-        requests.append((blocks, query.text))
+def _run_engine(args: argparse.Namespace, workload: Workload) -> EngineComparison | int:
+    """The same workload on a real server, every pass on a clean cache."""
     try:
-        return compare_on_engine(args.engine, requests, model=args.model, progress=not (args.quiet or args.json))
-    except EngineError as exc:
+        return EngineComparison.run(args, workload.single, workload.chat)
+    except EngineComparisonError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-
-
-def _engine_json(run: EngineRun) -> dict[str, object]:
-    return {
-        "name": run.name,
-        "requests": len(run.ttft_s),
-        "mean_ttft_s": run.mean_ttft_s,
-        "p90_ttft_s": run.p90_ttft_s,
-        "prompt_tokens": run.prompt_tokens,
-        "cached_tokens": run.cached_tokens,
-    }
-
-
-def _print_engine(url: str, runs: tuple[EngineRun, EngineRun]) -> None:
-    baseline, ours = runs
-    print(f"\nserver {url}: {len(baseline.ttft_s)} requests, server-reported numbers")
-    print(f"{'':<18}{'mean TTFT':>12}{'p90 TTFT':>12}{'cached / prompt tokens':>28}")
-    for run in runs:
-        tokens = f"{run.cached_tokens:,} / {run.prompt_tokens:,} ({run.cached_ratio:.0%})"
-        print(f"{run.name:<18}{run.mean_ttft_s * 1e3:>10.0f}ms{run.p90_ttft_s * 1e3:>10.0f}ms{tokens:>28}")
-    if ours.mean_ttft_s:
-        print(f"mean TTFT {baseline.mean_ttft_s / ours.mean_ttft_s:.2f}x lower with ContextPilot")
-
-
-def _baseline(results: list[tuple[float, ReplayResult]], mode: str, fraction: float) -> float | None:
-    for f, r in results:
-        if r.mode == mode and f == fraction and r.strategy == "retrieval":
-            return r.hit_ratio
-    return None
-
-
-def _print_table(
-    title: str,
-    trace: list[TraceRequest],
-    working_set: int,
-    results: list[tuple[float, ReplayResult]],
-    bound: float,
-    savings: object,
-    plot_path: Path | None,
-) -> None:
-    blocks = sum(len(r.blocks) for r in trace)
-    print(f"\n{title}: {len(trace):,} requests, {blocks:,} blocks, {working_set:,} distinct block tokens")
-    print(f"reuse bound (tokens of blocks an earlier request already sent): {bound:.1%}\n")
-    header = (
-        f"{'mode':<8}{'capacity':>9}  {'strategy':<16}{'hit ratio':>10}{'vs retrieval':>14}"
-        f"{'of bound':>10}{'pilot time':>13}"
-    )
-    print(header)
-    print("-" * len(header))
-    previous = None
-    for fraction, r in results:
-        key = (r.mode, fraction)
-        base = _baseline(results, r.mode, fraction)
-        versus = f"{r.hit_ratio / base:.1f}x" if base else "-"
-        per = r.pilot_seconds / max(r.requests, 1) * 1e6
-        timing = f"{r.pilot_seconds:.2f} s" if r.mode == "offline" else f"{per:.0f} us/req"
-        lead = f"{r.mode:<8}{fraction:>9.0%}" if key != previous else " " * 17
-        of_bound = r.hit_ratio / bound if bound else 0.0
-        print(f"{lead}  {label(r.strategy):<16}{r.hit_ratio:>10.1%}{versus:>14}{of_bound:>10.1%}{timing:>13}")
-        previous = key
-    if savings.turns:  # type: ignore[attr-defined]
-        s = savings
-        print(
-            f"\nmulti-turn: {s.conversations:,} conversations, {s.turns:,} turns; context prefill "  # type: ignore[attr-defined]
-            f"{s.plain_tokens:,} tokens resending every block vs {s.deduplicated_tokens:,} with "  # type: ignore[attr-defined]
-            f"de-duplication ({s.saved_ratio:.1%} saved)"  # type: ignore[attr-defined]
-        )
-    if plot_path:
-        print(f"\nplot: {plot_path.resolve()}")
-
-
-def _as_json(
-    trace: list[TraceRequest],
-    results: list[tuple[float, ReplayResult]],
-    bound: float,
-    savings: object,
-    plot_path: Path | None,
-) -> dict[str, object]:
-    rows = []
-    for fraction, r in results:
-        base = _baseline(results, r.mode, fraction)
-        rows.append(
-            {
-                "mode": r.mode,
-                "capacity_fraction": fraction,
-                "capacity_tokens": r.capacity_tokens,
-                "strategy": r.strategy,
-                "hit_ratio": r.hit_ratio,
-                "hit_tokens": r.hit_tokens,
-                "block_tokens": r.block_tokens,
-                "vs_retrieval": r.hit_ratio / base if base else None,
-                "of_bound": r.hit_ratio / bound if bound else None,
-                "pilot_seconds": r.pilot_seconds,
-            }
-        )
-    return {
-        "requests": len(trace),
-        "reuse_bound": bound,
-        "results": rows,
-        "conversations": {
-            "conversations": savings.conversations,  # type: ignore[attr-defined]
-            "turns": savings.turns,  # type: ignore[attr-defined]
-            "plain_tokens": savings.plain_tokens,  # type: ignore[attr-defined]
-            "deduplicated_tokens": savings.deduplicated_tokens,  # type: ignore[attr-defined]
-        },
-        "plot": str(plot_path) if plot_path else None,
-    }
-
-
-def _plot(results: list[tuple[float, ReplayResult]], bound: float, out: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: install matplotlib (pip install 'contextpilot-integrations[plot]') for the plot", file=sys.stderr)
-        return None
-    modes = list(dict.fromkeys(r.mode for _, r in results))
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), sharey=True, squeeze=False)
-    for ax, mode in zip(axes[0], modes, strict=True):
-        for strategy in strategy_names():
-            points = sorted((f, r.hit_ratio) for f, r in results if r.mode == mode and r.strategy == strategy)
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label(strategy))
-        ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label="reuse bound")
-        ax.set_title(mode)
-        ax.set_xlabel("cache capacity (share of distinct block tokens)")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("prefix-cache hit ratio (tokens)")
-    axes[0][0].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle(f"ContextPilot on {title}")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "hit_ratio_vs_capacity.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,216 +1,138 @@
 """Replay a retrieval trace through ContextPilot and the cache simulator.
 
-This answers "how much would this save on my traffic?": every request of a trace is
-planned (offline: the whole batch at once) or prepared one at a time with eviction
-notices fed back (online), then served by :class:`RadixCacheSimulator` at a given
-capacity. Results compare strategies on the same trace and capacity.
+This answers "how much would this save on my traffic?". Every prompt is served whole by
+:class:`~.simulate.RadixCacheSimulator`, and every prompt token counts: the system prompt,
+the chat history, the blocks, the location references, the order annotation and the
+question. Three modes:
+
+- ``offline``: the whole batch planned and scheduled, then sent in the schedule's order;
+- ``online``: one request at a time, in arrival order (``file``; ``interleave``, which
+  round-robins sessions; or ``shuffle``), with what the engine really tells back
+  (``feedback``: ``exact`` block-level eviction notices, ``request``-level ones as SGLang's
+  events give without block boundaries, or ``none`` as from llama.cpp);
+- ``chat``: conversations interleaved round-robin by turn (concurrent sessions sharing one
+  cache). Turn t sends the system prompt, every earlier turn it keeps (that turn's prompt
+  as sent, and an answer of ``answer_tokens``, cached after generation as SGLang does),
+  then its own blocks, references, annotation and question.
+
+Results compare strategies on the same trace and capacity. For chat, compare prefill
+tokens (prompt tokens not served from the cache) with the baseline that sends every block
+in retrieval order: hit ratios are not comparable once de-duplication shrinks prompts.
 """
 
 from __future__ import annotations
 
-import json
+import random
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
+from ..annotations import DEFAULT_TEMPLATES, render_order
 from ..blocks import Block
-from ..errors import ContextPilotError
 from ..pilot import BatchRequest, ContextPilot
 from ..prepared import PreparedRequest
-from .simulate import RadixCacheSimulator
+from .simulate import BlockSpec, RadixCacheSimulator, SimulatedRequest
+from .trace import TraceRequest, estimate_tokens, turns_in_order
 
 __all__ = [
+    "ARRIVALS",
+    "FEEDBACKS",
+    "MODES",
+    "PromptShape",
     "ReplayResult",
-    "TraceError",
-    "TraceRequest",
-    "block_token_counts",
-    "conversation_savings",
-    "load_trace",
-    "multihop_trace",
+    "arrival_order",
+    "prompt_units",
     "replay",
-    "reuse_bound",
+    "reuse_bound_of_prompts",
+    "serve_orders",
 ]
 
-REFERENCE_TOKENS = 12
-"""Approximate tokens of one location reference ("Please refer to [Doc_x] ...")."""
+Mode = Literal["offline", "online", "chat"]
+Arrival = Literal["file", "interleave", "shuffle"]
+Feedback = Literal["exact", "request", "none"]
+MODES: tuple[Mode, ...] = ("offline", "online", "chat")
+ARRIVALS: tuple[Arrival, ...] = ("file", "interleave", "shuffle")
+FEEDBACKS: tuple[Feedback, ...] = ("exact", "request", "none")
+SYSTEM_PROMPT = "Answer the question using the context documents."
 
 
-class TraceError(ContextPilotError, ValueError):
-    """A trace file cannot be read; the message names the line."""
+@dataclass(frozen=True, slots=True)
+class PromptShape:
+    """Token counts of the prompt parts a trace does not give."""
 
-
-class TraceRequest(BaseModel):
-    """One line of a trace: ``{"id", "blocks", "tokens"?, "conversation"?, "question"?}``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str = Field(min_length=1)
-    blocks: tuple[str, ...] = Field(min_length=1)
-    tokens: tuple[int, ...] | None = None
-    conversation: str | None = None
-    question: str | None = None
-
-    @field_validator("blocks")
-    @classmethod
-    def _distinct_blocks(cls, blocks: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not block for block in blocks):
-            raise ValueError("block ids must be non-empty strings")
-        if len(set(blocks)) != len(blocks):
-            repeated = sorted({b for b in blocks if blocks.count(b) > 1})
-            raise ValueError(f"block ids repeat within the request: {repeated}")
-        return blocks
-
-    @model_validator(mode="after")
-    def _tokens_match_blocks(self) -> TraceRequest:
-        if self.tokens is not None:
-            if len(self.tokens) != len(self.blocks):
-                raise ValueError(f"{len(self.tokens)} token counts for {len(self.blocks)} blocks")
-            if any(count <= 0 for count in self.tokens):
-                raise ValueError("token counts must be positive")
-        return self
-
-    def token_counts(self) -> tuple[int, ...]:
-        return self.tokens if self.tokens is not None else (1,) * len(self.blocks)
-
-
-MAX_LINE_BYTES = 16 * 1024 * 1024
-"""A trace line longer than this is refused (a request with that much metadata is a mistake)."""
-
-
-def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
-    """Read a JSON-lines trace (UTF-8, a byte-order mark is accepted).
-
-    Args:
-        limit: read only the first ``limit`` requests.
-
-    Raises:
-        TraceError: naming the file and the first bad line.
-    """
-    path = Path(path)
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot open the trace ({exc.strerror})") from exc
-    requests: list[TraceRequest] = []
-    seen: set[str] = set()
-    with handle:
-        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            where = f"{path}:{number}"
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceError(f"{where}: line longer than {MAX_LINE_BYTES:,} bytes")
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceError(f"{where}: not UTF-8 (byte {exc.start + 1})") from None
-            if not line.strip():
-                continue
-            request = _parse_line(line, where)
-            if request.id in seen:
-                raise TraceError(f"{where}: request id {request.id!r} repeats an earlier line")
-            seen.add(request.id)
-            requests.append(request)
-    if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
-    return requests
-
-
-def _parse_line(line: str, where: str) -> TraceRequest:
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from exc
-    except RecursionError:
-        raise TraceError(f"{where}: JSON nested too deeply") from None
-    if not isinstance(data, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    try:
-        return TraceRequest.model_validate(data)
-    except RecursionError:
-        raise TraceError(f"{where}: JSON nested too deeply") from None
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where_field = ".".join(str(part) for part in error["loc"]) or "line"
-        raise TraceError(f"{where}: {where_field}: {error['msg']}") from exc
-
-
-def multihop_trace(conversations: bool = False) -> list[TraceRequest]:
-    """The bundled MultiHop-RAG BM25 top-15 trace (2,556 queries, real token counts).
-
-    With ``conversations=True``, queries that share their first evidence article are
-    grouped into one conversation (turns in trace order), a stand-in for a user who
-    keeps asking about the same story.
-    """
-    from .datasets import load_multihop_rag
-
-    data = load_multihop_rag()
-    return [
-        TraceRequest(
-            id=f"q{query.qid}",
-            blocks=query.retrieved,
-            tokens=tuple(data.chunks[cid].token_count for cid in query.retrieved),
-            question=query.text,
-            conversation=(query.evidence_urls[0] if conversations and query.evidence_urls else None),
-        )
-        for query in data.queries
-    ]
+    system_tokens: int = estimate_tokens(SYSTEM_PROMPT)
+    """The system prompt, shared by every request (0: none)."""
+    question_tokens: int = 16
+    """A question, for lines without ``question`` text (otherwise estimated from it)."""
+    answer_tokens: int = 64
+    """Each answer in a chat, cached after generation and resent in later turns."""
+    annotate: bool = True
+    """Whether prompts carry the order annotation."""
+    questions: bool = True
+    """Whether prompts carry the question (off only to measure block reuse alone)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
-    """One strategy, mode and capacity on one trace."""
+    """One strategy, mode and capacity on one trace; token counts over whole prompts."""
 
     strategy: str
     mode: str
     capacity_tokens: int | None
-    hit_tokens: int
-    block_tokens: int
-    pilot_seconds: float
     requests: int
+    prompt_tokens: int
+    """Every prompt token sent: system, history, blocks, references, annotation, question."""
+    cached_tokens: int
+    """Prompt tokens served from the cache."""
+    block_tokens: int
+    """Tokens of the blocks sent in full."""
+    reference_tokens: int
+    max_prompt_tokens: int
+    pilot_seconds: float
+    deduplicate: bool = True
+    oversized_requests: int = 0
+    """Prompts larger than the cache: never cached (nothing can be reused from them)."""
+    held_tokens: int = 0
+    """Tokens the cache held at the end (with no capacity: everything ever cached)."""
 
     @property
     def hit_ratio(self) -> float:
-        return self.hit_tokens / self.block_tokens if self.block_tokens else 0.0
+        """Cached prompt tokens over all prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the engine had to compute."""
+        return self.prompt_tokens - self.cached_tokens
 
 
-def reuse_bound(trace: Sequence[TraceRequest]) -> float:
-    """Upper bound on any hit ratio: tokens of blocks some earlier request already sent."""
-    seen: set[str] = set()
-    repeated = total = 0
-    for request in trace:
-        for block, tokens in zip(request.blocks, request.token_counts(), strict=True):
-            total += tokens
-            if block in seen:
-                repeated += tokens
-            seen.add(block)
-    return repeated / total if total else 0.0
+@dataclass
+class _Tally:
+    prompt: int = 0
+    cached: int = 0
+    blocks: int = 0
+    references: int = 0
+    longest: int = 0
+    oversized: int = 0
+    seconds: float = 0.0
+
+    def add(self, served: SimulatedRequest, blocks: int, references: int) -> None:
+        self.prompt += served.block_tokens
+        self.cached += served.hit_tokens
+        self.blocks += blocks
+        self.references += references
+        self.longest = max(self.longest, served.block_tokens)
+        self.oversized += served.oversized
 
 
-def block_token_counts(trace: Sequence[TraceRequest]) -> dict[str, int]:
-    """Token count of every distinct block of a trace."""
-    sizes: dict[str, int] = {}
-    for request in trace:
-        sizes.update(zip(request.blocks, request.token_counts(), strict=True))
-    return sizes
-
-
-def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
-    """Tokens of all distinct blocks: a cache this big never has to evict."""
-    return sum(block_token_counts(trace).values())
-
-
-class _BlockCache:
-    """One :class:`Block` per id, so a long trace does not build millions of them."""
+class _Blocks:
+    """One :class:`Block` per id (a long trace does not build millions of them)."""
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[str, int], Block] = {}
 
-    def blocks(self, request: TraceRequest) -> list[Block]:
+    def of(self, request: TraceRequest) -> list[Block]:
         out = []
         for block_id, tokens in zip(request.blocks, request.token_counts(), strict=True):
             block = self._blocks.get((block_id, tokens))
@@ -220,109 +142,293 @@ class _BlockCache:
         return out
 
 
+def _unit(kind: str, request_id: str, tokens: int, key: Hashable = None) -> BlockSpec:
+    """A request-specific part of a prompt: never shared with another request."""
+    return ((kind, request_id, key), tokens)
+
+
+def prompt_units(
+    prepared: PreparedRequest, request: TraceRequest, shape: PromptShape
+) -> tuple[list[BlockSpec], int, int]:
+    """A request's own prompt as cache units: blocks (shared by id), then its references,
+    annotation and question (its own). Returns (units, block tokens, reference tokens)."""
+    rid = prepared.request_id
+    units: list[BlockSpec] = [(("block", b.id), b.token_count) for b in prepared.blocks]
+    block_tokens = sum(tokens for _, tokens in units)
+    reference_tokens = 0
+    for reference in prepared.references:
+        tokens = estimate_tokens(reference.text)
+        reference_tokens += tokens
+        units.append(_unit("reference", rid, tokens, reference.block.id))
+    if shape.annotate and prepared.ranking:
+        units.append(_unit("annotation", rid, estimate_tokens(prepared.order_annotation)))
+    if shape.questions:
+        question = estimate_tokens(request.question) if request.question else shape.question_tokens
+        units.append(_unit("question", rid, question))
+    return units, block_tokens, reference_tokens
+
+
+def _system(shape: PromptShape) -> list[BlockSpec]:
+    return [(("system",), shape.system_tokens)] if shape.system_tokens > 0 else []
+
+
+def arrival_order(trace: Sequence[TraceRequest], arrival: Arrival, seed: int = 0) -> list[int]:
+    """Indices of the trace in arrival order: ``file``; ``interleave`` (round-robin over
+    sessions, conversations taken as sessions; lines without either keep file order);
+    ``shuffle`` (seeded)."""
+    if arrival == "file":
+        return list(range(len(trace)))
+    if arrival == "shuffle":
+        order = list(range(len(trace)))
+        random.Random(seed).shuffle(order)
+        return order
+    if arrival != "interleave":
+        raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    queues: dict[str, list[int]] = {}
+    for index, request in enumerate(trace):
+        key = request.session or request.conversation
+        queues.setdefault(key if key is not None else f"\x00{index}", []).append(index)
+    if all(len(queue) == 1 for queue in queues.values()):
+        return list(range(len(trace)))
+    return _round_robin(list(queues.values()))
+
+
+T = TypeVar("T")
+
+
+def _round_robin(queues: list[list[T]]) -> list[T]:
+    """The first of every queue, then the second of every queue, and so on."""
+    order: list[T] = []
+    depth = 0
+    while True:
+        row = [queue[depth] for queue in queues if depth < len(queue)]
+        if not row:
+            return order
+        order.extend(row)
+        depth += 1
+
+
+def _feedback(
+    pilot: ContextPilot, served: SimulatedRequest, feedback: Feedback, offsets: dict[str, tuple[int, int]]
+) -> None:
+    """Tell the pilot what the engine evicted, as much as ``feedback`` allows.
+
+    Eviction notices count the units of a request's path; ``offsets`` gives each indexed
+    request's (units before its blocks, block count).
+    """
+    if feedback == "none":
+        return
+    for request_id, cached_units in served.evicted:
+        layout = offsets.get(request_id)
+        if layout is None:
+            continue
+        before, blocks = layout
+        if feedback == "request":  # no block boundaries: any loss drops the whole request
+            pilot.evict([request_id])
+            offsets.pop(request_id, None)
+        else:
+            pilot.truncate(request_id, max(0, min(blocks, cached_units - before)))
+
+
 def replay(
     trace: Sequence[TraceRequest],
     strategy: str,
-    mode: str,
+    mode: Mode,
     capacity_tokens: int | None,
+    *,
+    arrival: Arrival = "interleave",
+    feedback: Feedback = "request",
+    shape: PromptShape | None = None,
+    history_turns: int | None = None,
+    deduplicate: bool = True,
     plan_out: list[dict[str, object]] | None = None,
+    seed: int = 0,
+    on_request: Callable[[], object] | None = None,
 ) -> ReplayResult:
     """Run a trace through a fresh :class:`ContextPilot` and a fresh simulated cache.
 
     Args:
-        mode: ``"offline"`` (plan the whole batch, then send in its order) or
-            ``"online"`` (prepare one request at a time, in trace order, with the
-            simulator's eviction notices fed back to the pilot).
-        plan_out: if given, receives each request's sent blocks and references in
-            send order.
+        mode: ``"offline"``, ``"online"`` or ``"chat"`` (see the module docstring).
+        arrival: online order of arrival (chat always interleaves conversations by turn).
+        feedback: what the engine tells the pilot about evictions (online and chat).
+        history_turns: chat: earlier turns each prompt keeps (``None``: all; a line's own
+            ``history_turns`` wins).
+        deduplicate: chat: blocks an earlier kept turn sent become location references
+            (``False``: every block is sent again, the baseline).
+        plan_out: receives each request's sent blocks and references, in send order.
+        on_request: called after each request (progress bars).
     """
-    if mode not in ("offline", "online"):
-        raise ValueError(f"mode must be 'offline' or 'online', got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
+    shape = shape or PromptShape()
     pilot = ContextPilot(strategy, max_live_requests=max(len(trace), 1))
     cache = RadixCacheSimulator(capacity_tokens)
-    blocks = _BlockCache()
-    hit = total = 0
-    seconds = 0.0
-
-    def serve(prepared: PreparedRequest, request: TraceRequest) -> None:
-        nonlocal hit, total, seconds
-        served = cache.request(prepared.request_id, [(b.id, b.token_count) for b in prepared.blocks])
-        hit += served.hit_tokens
-        total += served.block_tokens
-        if plan_out is not None:
-            plan_out.append(
-                {
-                    "id": request.id,
-                    "request_id": prepared.request_id,
-                    "blocks": [b.id for b in prepared.blocks],
-                    "references": [r.block.id for r in prepared.references],
-                }
-            )
-        if mode == "online" and served.evicted:
-            start = time.perf_counter()
-            for request_id, cached in served.evicted:
-                pilot.truncate(request_id, cached)
-            seconds += time.perf_counter() - start
-
+    run = _Run(trace, pilot, cache, shape, plan_out, on_request)
     if mode == "offline":
+        run.offline()
+    elif mode == "online":
+        run.online(arrival_order(trace, arrival, seed), feedback)
+    else:
+        run.chat(feedback, history_turns, deduplicate)
+    tally = run.tally
+    return ReplayResult(
+        strategy=strategy,
+        mode=mode,
+        capacity_tokens=capacity_tokens,
+        requests=len(trace),
+        prompt_tokens=tally.prompt,
+        cached_tokens=tally.cached,
+        block_tokens=tally.blocks,
+        reference_tokens=tally.references,
+        max_prompt_tokens=tally.longest,
+        pilot_seconds=tally.seconds,
+        deduplicate=deduplicate if mode == "chat" else False,
+        oversized_requests=tally.oversized,
+        held_tokens=cache.used_tokens,
+    )
+
+
+@dataclass
+class _Run:
+    trace: Sequence[TraceRequest]
+    pilot: ContextPilot
+    cache: RadixCacheSimulator
+    shape: PromptShape
+    plan_out: list[dict[str, object]] | None
+    on_request: Callable[[], object] | None
+    tally: _Tally = field(default_factory=_Tally)
+    blocks: _Blocks = field(default_factory=_Blocks)
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def serve(
+        self,
+        prepared: PreparedRequest,
+        request: TraceRequest,
+        history: Sequence[BlockSpec] = (),
+        answer: Sequence[BlockSpec] = (),
+    ) -> tuple[SimulatedRequest, list[BlockSpec]]:
+        own, block_tokens, reference_tokens = prompt_units(prepared, request, self.shape)
+        before = _system(self.shape) + list(history)
+        prompt = before + own
+        served = self.cache.request(prepared.request_id, prompt, answer)
+        self.tally.add(served, block_tokens, reference_tokens)
+        if not prepared.turn:  # indexed (later turns of a chat are not): feedback applies
+            self.offsets[prepared.request_id] = (len(before), len(prepared.blocks))
+        if self.plan_out is not None:
+            row: dict[str, object] = {
+                "id": request.id,
+                "request_id": prepared.request_id,
+                "blocks": [b.id for b in prepared.blocks],
+                "references": [r.block.id for r in prepared.references],
+            }
+            if prepared.conversation_id is not None:
+                row["conversation"] = request.conversation
+                row["turn"] = prepared.turn
+            self.plan_out.append(row)
+        if self.on_request is not None:
+            self.on_request()
+        return served, own
+
+    def offline(self) -> None:
         batch = [
-            BatchRequest(
-                blocks=blocks.blocks(r), query=r.question or "", conversation_id=r.conversation, request_id=r.id
-            )
-            for r in trace
+            BatchRequest(blocks=self.blocks.of(r), query=r.question or "", request_id=f"r{i}")
+            for i, r in enumerate(self.trace)
         ]
         start = time.perf_counter()
-        planned = pilot.plan(batch)
-        seconds = time.perf_counter() - start
+        planned = self.pilot.plan(batch)
+        self.tally.seconds = time.perf_counter() - start
         for prepared in planned:
-            serve(prepared, trace[prepared.batch_index])  # type: ignore[index]
-    else:
-        for request in trace:
-            request_blocks = blocks.blocks(request)
+            self.serve(prepared, self.trace[prepared.batch_index])  # type: ignore[index]
+
+    def online(self, order: list[int], feedback: Feedback) -> None:
+        for index in order:
+            request = self.trace[index]
+            blocks = self.blocks.of(request)
             start = time.perf_counter()
-            prepared = pilot.prepare(
-                request_blocks, request.question or "", request.conversation, request_id=request.id
+            prepared = self.pilot.prepare(blocks, request.question or "", request_id=f"r{index}")
+            self.tally.seconds += time.perf_counter() - start
+            served, _ = self.serve(prepared, request)
+            start = time.perf_counter()
+            _feedback(self.pilot, served, feedback, self.offsets)
+            self.tally.seconds += time.perf_counter() - start
+
+    def chat(self, feedback: Feedback, history_turns: int | None, deduplicate: bool) -> None:
+        conversations = list(turns_in_order(self.trace))
+        history: dict[str, list[list[BlockSpec]]] = {name: [] for name, _ in conversations}
+        for name, index in _round_robin([[(name, i) for i in turns] for name, turns in conversations]):
+            request = self.trace[index]
+            turns = history[name]
+            window = request.history_turns if request.history_turns is not None else history_turns
+            kept = list(range(0 if window is None else max(0, len(turns) - window), len(turns)))
+            blocks = self.blocks.of(request)
+            start = time.perf_counter()
+            prepared = self.pilot.prepare(
+                blocks,
+                request.question or "",
+                name if deduplicate else None,
+                kept_turns=kept if deduplicate else None,
+                request_id=f"r{index}",
             )
-            seconds += time.perf_counter() - start
-            serve(prepared, request)
-    return ReplayResult(strategy, mode, capacity_tokens, hit, total, seconds, len(trace))
+            self.tally.seconds += time.perf_counter() - start
+            for reference in prepared.references:
+                if reference.turn not in kept:
+                    raise RuntimeError(f"{request.id}: a reference to turn {reference.turn}, outside the history sent")
+            sent_history = [unit for turn in kept for unit in turns[turn]]
+            answer = [_unit("answer", prepared.request_id, self.shape.answer_tokens)]
+            served, own = self.serve(prepared, request, sent_history, answer)
+            turns.append(own + answer)
+            start = time.perf_counter()
+            _feedback(self.pilot, served, feedback, self.offsets)
+            self.tally.seconds += time.perf_counter() - start
 
 
-@dataclass(frozen=True, slots=True)
-class ConversationSavings:
-    """Prefill tokens of the context blocks in multi-turn conversations."""
+def serve_orders(
+    trace: Sequence[TraceRequest],
+    send_orders: Sequence[tuple[int, Sequence[str]]],
+    capacity_tokens: int | None,
+    shape: PromptShape | None = None,
+) -> ReplayResult:
+    """Serve send orders computed elsewhere (another library's plan) with the same prompts:
+    ``send_orders`` is (index into the trace, its block ids in send order), in send order."""
+    shape = shape or PromptShape()
+    cache = RadixCacheSimulator(capacity_tokens)
+    blocks = _Blocks()
+    tally = _Tally()
+    for index, order in send_orders:
+        request = trace[index]
+        by_id = {b.id: b for b in blocks.of(request)}
+        if sorted(order) != sorted(by_id):
+            raise ValueError(f"{request.id}: the send order is not a permutation of the request's blocks")
+        ranking = tuple(by_id.values())
+        prepared = PreparedRequest(f"r{index}", request.question or "", tuple(by_id[b] for b in order), ranking=ranking)
+        own, block_tokens, _ = prompt_units(prepared, request, shape)
+        prompt = _system(shape) + own
+        tally.add(cache.request(prepared.request_id, prompt), block_tokens, 0)
+    return ReplayResult(
+        "external", "offline", capacity_tokens, len(send_orders), tally.prompt, tally.cached, tally.blocks, 0,
+        tally.longest, 0.0, False, tally.oversized,
+    )  # fmt: skip
 
-    conversations: int
-    turns: int
-    plain_tokens: int
-    deduplicated_tokens: int
 
-    @property
-    def saved_ratio(self) -> float:
-        return 1 - self.deduplicated_tokens / self.plain_tokens if self.plain_tokens else 0.0
-
-
-def conversation_savings(trace: Iterable[TraceRequest], min_turns: int = 2) -> ConversationSavings:
-    """Context tokens each turn must prefill, resending every block vs. de-duplicating.
-
-    The conversation's history is a prefix the engine already holds, so what a turn
-    prefills is its new context: every retrieved block (plain) or only the blocks not
-    sent in an earlier turn plus a short location reference for each other one.
-    """
-    by_conversation: dict[str, list[TraceRequest]] = defaultdict(list)
-    for request in trace:
-        if request.conversation is not None:
-            by_conversation[request.conversation].append(request)
-    pilot = ContextPilot("retrieval", annotate_order=True)
-    blocks = _BlockCache()
-    plain = deduplicated = turns = conversations = 0
-    for conversation_id, requests in by_conversation.items():
-        if len(requests) < min_turns:
-            continue
-        conversations += 1
-        for request in requests:
-            turns += 1
-            prepared = pilot.prepare(blocks.blocks(request), request.question or "", conversation_id)
-            plain += sum(request.token_counts())
-            deduplicated += prepared.block_tokens + REFERENCE_TOKENS * len(prepared.references)
-    return ConversationSavings(conversations, turns, plain, deduplicated)
+def reuse_bound_of_prompts(trace: Sequence[TraceRequest], shape: PromptShape | None = None) -> float:
+    """Upper bound on a single-shot hit ratio over whole prompts: the system prompt after
+    the first request, plus the tokens of blocks an earlier request already sent."""
+    shape = shape or PromptShape()
+    seen: set[str] = set()
+    reusable = total = 0
+    for n, request in enumerate(trace):
+        question = estimate_tokens(request.question) if request.question else shape.question_tokens
+        prompt = shape.system_tokens + (question if shape.questions else 0)
+        if shape.annotate:
+            ranking = [Block(id=b, text=b) for b in request.blocks]
+            prompt += estimate_tokens(render_order(ranking, DEFAULT_TEMPLATES))
+        reusable += shape.system_tokens if n else 0
+        for block, tokens in zip(request.blocks, request.token_counts(), strict=True):
+            prompt += tokens
+            if block in seen:
+                reusable += tokens
+            seen.add(block)
+        total += prompt
+    return reusable / total if total else 0.0

@@ -49,6 +49,9 @@ class SimulatedRequest:
     evicted: tuple[tuple[str, int], ...] = field(default=())
     """Eviction notices: (request id, blocks of its path still cached) for every request
     whose cached path got shorter while serving this one (0: nothing left)."""
+    oversized: bool = False
+    """The request did not fit in the cache even after evicting all else: nothing of it
+    was cached, so no later request can reuse it."""
 
 
 class RadixCacheSimulator:
@@ -82,11 +85,15 @@ class RadixCacheSimulator:
             node = child
         return depth
 
-    def request(self, request_id: str, blocks: Sequence[BlockSpec]) -> SimulatedRequest:
+    def request(
+        self, request_id: str, blocks: Sequence[BlockSpec], generated: Sequence[BlockSpec] = ()
+    ) -> SimulatedRequest:
         """Serve one request: report its hit, then cache its blocks.
 
         Args:
-            blocks: (key, tokens) in send order.
+            blocks: (key, tokens) in send order: the prompt.
+            generated: the answer, cached after the prompt once generation ends (as SGLang
+                does), so the next turn of a chat, which starts with this one, hits it.
         """
         # SGLang's order of time stamps within one request: a node split by the match
         # keeps the match time for its lower part; the insert then touches the path
@@ -117,7 +124,8 @@ class RadixCacheSimulator:
             visited.last_access = now
         hit_tokens = sum(n.tokens for n in path)
         evicted: dict[str, int] = {}
-        rest = list(blocks[depth:])
+        rest = [*blocks[depth:], *generated]
+        oversized = False
         if rest:
             need = sum(tokens for _, tokens in rest)
             if self.capacity_tokens is not None and self.used_tokens + need > self.capacity_tokens:
@@ -128,12 +136,14 @@ class RadixCacheSimulator:
                 node.children[rest[0][0]] = leaf
                 self.used_tokens += need
                 node = leaf
+            else:
+                oversized = True
         if node is not self.root:
             node.request_ids.append(request_id)
             if not node.children:
                 self._push(node)
         total = sum(tokens for _, tokens in blocks)
-        return SimulatedRequest(request_id, hit_tokens, total, depth, tuple(evicted.items()))
+        return SimulatedRequest(request_id, hit_tokens, total, depth, tuple(evicted.items()), oversized)
 
     def _split(self, child: _Node, run: int, now: int) -> _Node:
         """Cut ``child`` after ``run`` blocks; the new upper node is returned."""

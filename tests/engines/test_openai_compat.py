@@ -131,13 +131,35 @@ def test_async_http_error(failing_server: str) -> None:
     assert pilot.stats().live_requests == 0
 
 
-def test_demo_against_the_engine(llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_compares_on_fresh_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every pass on a fresh llama-server (it has no /flush_cache), A B B A, per mode."""
+    from contextpilot_integrations.whatif.cli import main
+    from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+
+    binary = llama_server_binary()
+    if binary is None:
+        pytest.skip("llama-server not built")
+    command = LlamaServer.command(binary, write_tiny_gguf(tmp_path / "tiny.gguf"))
+    args = ["demo", "--modes", "offline", "--capacity", "0.25", "--no-plot", "--json", "--engine-cmd", command]
+    args += ["--engine-requests", "8", "--engine-block-chars", "120", "--history-turns", "1", "--answer-tokens", "4"]
+    assert main(args) == 0
+    engine = json.loads(capsys.readouterr().out)["engine"]
+    assert engine["clean_cache"] == "a fresh server process for every pass"
+    assert set(engine["modes"]) == {"offline", "online", "chat"}
+    for mode, data in engine["modes"].items():
+        baseline, ours = data["retrieval_order"], data["contextpilot"]
+        assert baseline["requests_per_pass"] == ours["requests_per_pass"] == 8, mode
+        assert ours["mean_ttft_s"] > 0 and data["mean_ttft_ratio"] > 0
+    offline = engine["modes"]["offline"]
+    assert offline["contextpilot"]["cached_tokens"] > offline["retrieval_order"]["cached_tokens"]
+    chat = engine["modes"]["chat"]
+    assert chat["contextpilot"]["prompt_tokens"] < chat["retrieval_order"]["prompt_tokens"]  # references
+
+
+def test_a_server_that_cannot_flush_is_refused(llama: LlamaServer, capsys: pytest.CaptureFixture[str]) -> None:
     from contextpilot_integrations.whatif.cli import main
 
-    args = ["demo", "--engine", llama.url, "--engine-requests", "12", "--engine-block-chars", "250"]
-    args += ["--modes", "offline", "--capacity", "0.25", "--no-plot", "--json"]
-    assert main(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    baseline, ours = report["engine"]
-    assert baseline["requests"] == ours["requests"] == 12
-    assert ours["cached_tokens"] > baseline["cached_tokens"]
+    args = ["demo", "--modes", "offline", "--capacity", "1", "--no-plot", "--quiet", "--engine", llama.url]
+    assert main([*args, "--engine-requests", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "refusing to compare" in err and "--engine-cmd" in err

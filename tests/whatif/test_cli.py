@@ -12,9 +12,20 @@ def test_demo_prints_a_table_and_writes_a_plot(tmp_path: Path, capsys: pytest.Ca
     code = main(["demo", "--capacity", "0.25", "--out", str(tmp_path), "--quiet"])
     out = capsys.readouterr().out
     assert code == 0
-    for text in ("retrieval order", "paper", "trie (default)", "offline", "online", "reuse bound", "multi-turn"):
-        assert text in out
-    plot = tmp_path / "hit_ratio_vs_capacity.png"
+    for text in (
+        "retrieval order",
+        "paper",
+        "trie (default)",
+        "offline",
+        "online",
+        "reuse bound",
+        "prompt tokens = system prompt + chat history + blocks + location references + order annotation + question",
+        "retrieval order, every block resent",
+        "trie (default) + de-dup",
+        "online: arrival interleave, feedback request",
+    ):
+        assert text in out, text
+    plot = tmp_path / "reuse_vs_capacity.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(plot.resolve()) in out
 
 
@@ -31,10 +42,54 @@ def test_simulate_json_and_plan_out(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 40 and len(report["results"]) == 2 * 2 * 3
+    assert all(0 <= row["hit_ratio"] <= 1 and row["prompt_tokens"] > row["block_tokens"] for row in report["results"])
     rows = [json.loads(line) for line in plan.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(line["id"] for line in lines)
     by_id = {line["id"]: line for line in lines}
     assert all(sorted(r["blocks"]) == sorted(by_id[r["id"]]["blocks"]) for r in rows)
+
+
+def test_a_conversational_trace_runs_in_chat_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "chat.jsonl"
+    lines = [
+        {"id": f"{c}-{t}", "blocks": ["shared", f"{c}-{t}", f"{c}-{t - 1}"], "tokens": [300, 200, 200],
+         "conversation": c, "question": f"question {t} of {c}"}
+        for c in ("alice", "bob") for t in range(4)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    plan = tmp_path / "plan.jsonl"
+    args = ["simulate", "--trace", str(trace), "--json", "--no-plot", "--capacity", "1", "--plan-out", str(plan)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    chat = [row for row in report["results"] if row["mode"] == "chat"]
+    assert {row["mode"] for row in report["results"]} == {"chat"} and chat[0]["baseline"]
+    ours = next(row for row in chat if row["strategy"] == "trie")
+    assert ours["prefill_saved"] > 0 and ours["prefill_tokens"] < chat[0]["prefill_tokens"]
+    assert ours["hit_ratio"] > 0  # the history is a cached prefix
+    rows = [json.loads(line) for line in plan.read_text().splitlines()]
+    alice = [row for row in rows if row["conversation"] == "alice"]
+    assert [row["turn"] for row in alice] == [0, 1, 2, 3] and alice[1]["references"] == ["shared", "alice-0"]
+
+
+def test_small_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and "contextpilot-integrations 0.1.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", "--strategies", ","])
+    assert "name at least one strategy" in capsys.readouterr().err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": 1, "blocks": [1, 2]}\n{"id": 2, "blocks": [2, 3]}\n', encoding="utf-8")
+    plan = tmp_path / "plan.jsonl"
+    for extra, message in (
+        (["--strategies", "retrieval"], "add it to --strategies"),
+        (["--modes", "online"], "add offline or chat to --modes"),
+    ):
+        assert main(["simulate", "--trace", str(trace), "--no-plot", "--plan-out", str(plan), *extra]) == 2
+        assert message in capsys.readouterr().err and not plan.exists()
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet", "--capacity", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "count each block as one token" in out and "a request larger than the cache is never cached" in out
 
 
 @pytest.mark.parametrize(
@@ -60,7 +115,9 @@ def test_missing_trace_and_bad_options(tmp_path: Path, capsys: pytest.CaptureFix
     assert "cannot open" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--capacity", "2"])
-    assert main(["demo", "--strategies", "magic", "--no-plot"]) == 2
+    with pytest.raises(SystemExit):
+        main(["demo", "--strategies", "magic", "--no-plot"])
+    assert "unknown strategy: magic" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

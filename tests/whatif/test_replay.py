@@ -5,18 +5,19 @@ from pathlib import Path
 
 import pytest
 
-from contextpilot_integrations.whatif.replay import (
+from contextpilot_integrations.whatif import (
+    PromptShape,
     TraceError,
     TraceRequest,
-    block_token_counts,
-    conversation_savings,
     load_trace,
     multihop_trace,
     replay,
     reuse_bound,
+    reuse_bound_of_prompts,
+    serve_orders,
     working_set_tokens,
 )
-from contextpilot_integrations.whatif.simulate import RadixCacheSimulator
+from contextpilot_integrations.whatif.replay import arrival_order
 
 
 def write(tmp_path: Path, lines: list[str]) -> Path:
@@ -39,23 +40,51 @@ def test_load_trace(tmp_path: Path) -> None:
     assert working_set_tokens(trace) == 65
 
 
+def test_integer_ids_and_token_estimates(tmp_path: Path) -> None:
+    lines = ['{"id": 7, "blocks": [1, 2], "texts": ["abcdefgh", "abcd"]}', '{"id": 8, "blocks": [2], "turn": null}']
+    trace = load_trace(write(tmp_path, lines))
+    assert trace[0].id == "7" and trace[0].blocks == ("1", "2")
+    assert trace[0].token_counts() == (2, 1) and trace[1].token_counts() == (1,)  # texts: 4 chars a token
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
         ("{not json", r":2: not valid JSON"),
         ('{"id": "b", "blocks": ["x"], "colour": "red"}', r":2: colour: Extra inputs are not permitted"),
         ('{"id": "b", "blocks": []}', r":2: blocks: .*at least 1"),
-        ('{"id": "b", "blocks": ["x", "y"], "tokens": [1, 0]}', r":2: .*positive"),
-        ('{"id": "b", "blocks": ["x", "y"], "tokens": [-3, 2]}', r":2: .*positive"),
-        ('{"id": "b", "blocks": ["x"], "tokens": [1, 2]}', r":2: .*2 token counts for 1 blocks"),
+        ('{"id": "b", "blocks": ["x", "y"], "tokens": [1, 0]}', r":2: tokens: .*positive"),
+        ('{"id": "b", "blocks": ["x", "y"], "tokens": [-3, 2]}', r":2: tokens: .*positive"),
+        ('{"id": "b", "blocks": ["x"], "tokens": [1, 2]}', r":2: .*2 tokens for 1 blocks"),
+        ('{"id": "b", "blocks": ["x"], "texts": ["a", "b"]}', r":2: .*2 texts for 1 blocks"),
         ('{"id": "b", "blocks": ["x", "x"]}', r":2: blocks: .*repeat"),
         ('{"blocks": ["x"]}', r":2: id: Field required"),
         ('{"id": "a", "blocks": ["x"]}', r":2: request id 'a' repeats"),
+        ('{"id": "b", "blocks": ["x"], "turn": 0}', r":2: .*turn and history_turns need a conversation"),
     ],
 )
 def test_bad_lines_are_named(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         load_trace(write(tmp_path, [GOOD[0], line]))
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"id": "1", "blocks": ["x"], "conversation": "c", "turn": 0}',
+          '{"id": "2", "blocks": ["y"], "conversation": "c"}'],
+         r"trace.jsonl:2: conversation 'c' gives turn numbers on some lines and not on this one"),
+        (['{"id": "1", "blocks": ["x"], "conversation": "c", "turn": 0}',
+          '{"id": "2", "blocks": ["y"], "conversation": "c", "turn": 2}'],
+         r"trace.jsonl:2: conversation 'c': turn 2 out of order \(expected turn 1\)"),
+        (['{"id": "1", "blocks": ["x"], "conversation": "c"}',
+          '{"id": "2", "blocks": ["y"], "conversation": "c", "history_turns": 3}'],
+         r"trace.jsonl:2: conversation 'c': history_turns 3 but turn 1 has only 1 earlier turn"),
+    ],
+)  # fmt: skip
+def test_conversations_need_a_turn_order(tmp_path: Path, lines: list[str], message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(write(tmp_path, lines))
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
@@ -65,22 +94,71 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
         load_trace(write(tmp_path, [""]))
 
 
-@pytest.mark.parametrize("strategy", ["retrieval", "paper", "trie"])
-@pytest.mark.parametrize("mode", ["offline", "online"])
-def test_replay_plan_can_be_checked_with_another_simulator(strategy: str, mode: str) -> None:
+SHAPE = PromptShape(system_tokens=5, question_tokens=7, answer_tokens=11, annotate=False)
+
+
+def test_every_prompt_token_is_counted() -> None:
+    trace = [
+        TraceRequest(id="1", blocks=("a", "b"), tokens=(100, 50)),
+        TraceRequest(id="2", blocks=("b", "a"), tokens=(50, 100)),
+    ]
+    result = replay(trace, "trie", "online", None, shape=SHAPE)
+    # prompts: system 5 + blocks 150 + question 7, twice; the second reuses system + both blocks
+    assert (result.prompt_tokens, result.cached_tokens) == (2 * 162, 155)
+    assert result.block_tokens == 300 and result.max_prompt_tokens == 162
+    assert replay(trace, "retrieval", "online", None, shape=SHAPE).cached_tokens == 5  # the system prompt only
+    with_annotation = replay(trace, "trie", "online", None, shape=PromptShape(5, 7, 11, annotate=True))
+    assert with_annotation.prompt_tokens > result.prompt_tokens  # annotations are tokens too
+
+
+def test_chat_by_hand() -> None:
+    """Turn 1 resends turn 0 (prompt and answer) as history and refers to its blocks."""
+    trace = [
+        TraceRequest(id="t0", blocks=("a", "b"), tokens=(100, 100), conversation="c"),
+        TraceRequest(id="t1", blocks=("b", "c"), tokens=(100, 100), conversation="c"),
+    ]
+    plan: list[dict[str, object]] = []
+    ours = replay(trace, "trie", "chat", None, shape=SHAPE, plan_out=plan)
+    baseline = replay(trace, "retrieval", "chat", None, shape=SHAPE, deduplicate=False)
+    # baseline: 5+200+7 = 212; then 212 + answer 11 + 200 + 7 = 430, of which 223 are cached
+    assert (baseline.prompt_tokens, baseline.cached_tokens) == (212 + 430, 223)
+    reference = ours.reference_tokens
+    assert reference > 0 and ours.prompt_tokens == 212 + 212 + 11 + 100 + reference + 7
+    assert ours.cached_tokens == 223 and ours.prefill_tokens < baseline.prefill_tokens
+    assert plan[1] == {
+        "id": "t1",
+        "request_id": "r1",
+        "blocks": ["c"],
+        "references": ["b"],
+        "conversation": "c",
+        "turn": 1,
+    }
+
+
+def test_chat_references_stay_inside_the_history_window() -> None:
+    trace = [
+        TraceRequest(id=f"t{i}", blocks=("a", f"own{i}"), tokens=(50, 50), conversation="c", turn=i) for i in range(5)
+    ]
+    plan: list[dict[str, object]] = []
+    replay(trace, "trie", "chat", None, shape=SHAPE, history_turns=1, plan_out=plan)
+    # "a" is referred to only while the turn that carried it is the one kept; then it is resent
+    assert [row["references"] for row in plan] == [[], ["a"], [], ["a"], []]
+    assert all(
+        row["blocks"] == (["a", f"own{i}"] if not row["references"] else [f"own{i}"]) for i, row in enumerate(plan)
+    )
+
+
+def test_offline_plan_can_be_checked_with_another_simulator() -> None:
     trace = multihop_trace()[:300]
     plan: list[dict[str, object]] = []
-    result = replay(trace, strategy, mode, capacity_tokens=200_000, plan_out=plan)
-    assert result.requests == 300 and 0 <= result.hit_ratio <= reuse_bound(trace)
-    tokens = block_token_counts(trace)
-    by_id = {r.id: r for r in trace}
-    # an independent check: re-serve the written plan; same hits, nothing lost
-    sim = RadixCacheSimulator(200_000)
-    hit = 0
+    result = replay(trace, "trie", "offline", 200_000, plan_out=plan)
+    by_id = {r.id: i for i, r in enumerate(trace)}
     for row in plan:
-        assert sorted(row["blocks"]) == sorted(by_id[row["id"]].blocks)  # type: ignore[arg-type, index]
-        hit += sim.request(str(row["request_id"]), [(b, tokens[b]) for b in row["blocks"]]).hit_tokens  # type: ignore[union-attr]
-    assert hit == result.hit_tokens
+        assert sorted(row["blocks"]) == sorted(trace[by_id[row["id"]]].blocks)  # type: ignore[arg-type, index]
+    # the written plan, served on its own with the same prompts: the same hits
+    again = serve_orders(trace, [(by_id[str(row["id"])], row["blocks"]) for row in plan], 200_000)  # type: ignore[misc]
+    assert (again.prompt_tokens, again.cached_tokens) == (result.prompt_tokens, result.cached_tokens)
+    assert 0 < result.hit_ratio <= reuse_bound_of_prompts(trace)
 
 
 def test_reordering_beats_retrieval_order_on_multihop() -> None:
@@ -91,15 +169,18 @@ def test_reordering_beats_retrieval_order_on_multihop() -> None:
     assert replay(trace, "trie", "online", capacity).hit_ratio > 2 * baseline
 
 
-def test_conversation_savings() -> None:
-    trace = [
-        TraceRequest(id="1", blocks=("a", "b"), tokens=(100, 100), conversation="c"),
-        TraceRequest(id="2", blocks=("b", "c"), tokens=(100, 100), conversation="c"),
-        TraceRequest(id="3", blocks=("a",), tokens=(100,), conversation="lonely"),
-    ]
-    savings = conversation_savings(trace)
-    assert (savings.conversations, savings.turns, savings.plain_tokens) == (1, 2, 400)
-    assert savings.deduplicated_tokens == 300 + 12 and 0 < savings.saved_ratio < 0.25
+def test_feedback_modes_differ_as_the_engine_would() -> None:
+    trace = multihop_trace()[:600]
+    capacity = working_set_tokens(trace) // 10
+    hits = {f: replay(trace, "trie", "online", capacity, feedback=f).hit_ratio for f in ("exact", "request", "none")}
+    assert hits["exact"] >= hits["request"] and hits["exact"] > hits["none"]
+
+
+def test_interleaved_arrival_round_robins_sessions() -> None:
+    trace = [TraceRequest(id=f"{s}{i}", blocks=("x",), session=s) for s in "ab" for i in range(3)]
+    assert [trace[i].id for i in arrival_order(trace, "interleave")] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert [trace[i].id for i in arrival_order(trace, "file")] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert sorted(arrival_order(trace, "shuffle")) == list(range(6))
 
 
 def test_multihop_conversations_group_by_evidence() -> None:

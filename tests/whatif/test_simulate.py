@@ -71,3 +71,31 @@ def test_same_hits_as_sglang_radix_cache(seed: int, capacity: int) -> None:
     for order in {tuple(o) for o in requests}:
         blocks = sim.match(list(order))
         assert sum(sizes[b] for b in order[:blocks]) == engine.match(_tokens(list(order), sizes))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_chat_answers_are_cached_like_sglang_caches_output(seed: int) -> None:
+    """Turn t of a chat resends turn t-1's prompt and answer: both engines reuse them."""
+    rng = random.Random(seed)
+    engine = SGLangRadix(400)
+    sim = RadixCacheSimulator(400)
+    histories: dict[int, list[tuple[object, int]]] = {c: [(("system",), 3)] for c in range(4)}
+    for step in range(40):
+        conversation = step % 4
+        prompt = histories[conversation] + [((conversation, step, "q"), rng.randint(1, 5))]
+        prompt += [(b, 2) for b in rng.sample(range(12), 3)]
+        answer = [((conversation, step, "a"), rng.randint(1, 4))]
+        tokens = [t for key, size in prompt for t in _unit_tokens(key, size)]
+        generated = [t for key, size in answer for t in _unit_tokens(key, size)]
+        hit = engine.serve(tokens, generated)
+        simulated = sim.request(f"{step}", prompt, answer)
+        assert simulated.hit_tokens == hit, f"step {step}: simulator {simulated.hit_tokens} != SGLang {hit}"
+        histories[conversation] = prompt + answer
+
+
+_TOKENS: dict[object, int] = {}
+
+
+def _unit_tokens(key: object, size: int) -> list[int]:
+    base = _TOKENS.setdefault(key, 1_000 * (len(_TOKENS) + 1))
+    return [base + j for j in range(size)]
