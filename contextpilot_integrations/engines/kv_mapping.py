@@ -32,9 +32,17 @@ DEFAULT_MEDIUM = "GPU"
 _NO_PARENT = b"\x00"
 
 
-def page_key(parent_hash: int | None, tokens: Sequence[int]) -> PageKey:
+BlockHash = int | bytes  # SGLang: int64; vLLM: SHA-256 bytes (or uint64)
+
+
+def page_key(parent_hash: BlockHash | None, tokens: Sequence[int]) -> PageKey:
     """The identity of a page in the engine's chain: its parent's hash and its tokens."""
-    head = _NO_PARENT if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "little", signed=True)
+    if parent_hash is None:
+        head = _NO_PARENT
+    elif isinstance(parent_hash, bytes):
+        head = b"\x03" + len(parent_hash).to_bytes(1, "little") + parent_hash
+    else:
+        head = b"\x01" + parent_hash.to_bytes(9, "little", signed=True)
     try:
         return head + array("i", tokens).tobytes()
     except OverflowError:  # token ids beyond 32 bits: a distinct, wider encoding
@@ -55,7 +63,7 @@ class _Request:
     def __init__(self, tokens: array[int], block_ends: tuple[int, ...] | None) -> None:
         self.tokens = tokens
         self.block_ends = block_ends  # token offset where each of our blocks ends
-        self.chain: list[int] = []  # engine block hashes of the cached prefix
+        self.chain: list[BlockHash] = []  # engine block hashes of the cached prefix
 
 
 def _as_tokens(token_ids: Sequence[int]) -> array[int]:
@@ -96,11 +104,11 @@ class EngineBlockMap:
         self.max_requests = max_requests
         self.max_blocks = max_blocks
         self.max_tracked_tokens = max_tracked_tokens
-        self._by_key: dict[PageKey, int] = {}
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # oldest stored first
+        self._by_key: dict[PageKey, BlockHash] = {}
+        self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()  # oldest stored first
         self._requests: OrderedDict[str, _Request] = OrderedDict()  # oldest tracked first
         self._tracked_tokens = 0
-        self._holders: dict[int, set[str]] = defaultdict(set)
+        self._holders: dict[BlockHash, set[str]] = defaultdict(set)
         self._waiting: dict[PageKey, set[str]] = defaultdict(set)
         self._dropped: list[str] = []  # requests forgotten for the bounds, not yet reported
 
@@ -175,8 +183,8 @@ class EngineBlockMap:
     # ---- engine events -----------------------------------------------------------------
     def stored(
         self,
-        block_hashes: Sequence[int],
-        parent_hash: int | None,
+        block_hashes: Sequence[BlockHash],
+        parent_hash: BlockHash | None,
         token_ids: Sequence[int],
         block_size: int,
         medium: str | None = None,
@@ -209,13 +217,13 @@ class EngineBlockMap:
             parent = block_hash
         shortened: dict[str, int] = {}
         if len(self._blocks) > self.max_blocks:
-            oldest = list(itertools.islice(self._blocks, len(self._blocks) - self.max_blocks))
+            oldest: list[BlockHash] = list(itertools.islice(self._blocks, len(self._blocks) - self.max_blocks))
             shortened = self._drop(oldest)
             for request_id in shortened:
                 grown.pop(request_id, None)
         return grown, shortened
 
-    def removed(self, block_hashes: Iterable[int], medium: str | None = None) -> dict[str, int]:
+    def removed(self, block_hashes: Iterable[BlockHash], medium: str | None = None) -> dict[str, int]:
         """A ``BlockRemoved`` event; returns {request id: prompt tokens still cached}.
 
         A block demoted to another tier (e.g. host memory) is still reusable: only a block
@@ -247,7 +255,7 @@ class EngineBlockMap:
         return held
 
     # ---- internals -----------------------------------------------------------------------
-    def _drop(self, block_hashes: Iterable[int]) -> dict[str, int]:
+    def _drop(self, block_hashes: Iterable[BlockHash]) -> dict[str, int]:
         """Blocks gone: cut every holder's chain there; returns {request id: tokens left}."""
         shortened: dict[str, int] = {}
         for block_hash in block_hashes:

