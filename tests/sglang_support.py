@@ -9,8 +9,8 @@ Set ``CONTEXTPILOT_REQUIRE_SGLANG=1`` (CI does) to fail instead of skip when it 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
