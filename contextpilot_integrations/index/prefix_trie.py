@@ -174,6 +174,25 @@ class PrefixTrie(Generic[K]):
             self.insert(request_id, order[:keep])
         return True
 
+    def sharing_below(self, order: Sequence[K], depth: int) -> list[str]:
+        """Live requests whose path runs through the node at ``depth + 1`` along ``order``
+        (they share its first ``depth + 1`` blocks)."""
+        node = self.root
+        for key in order[: depth + 1]:
+            child = node.children.get(key)
+            if child is None:
+                return []
+            node = child
+        if node is self.root:
+            return []
+        found: list[str] = []
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            found.extend(current.request_ids or ())
+            stack.extend(current.children.values())
+        return found
+
     def clear(self) -> None:
         self.root = _Node(None, None)
         self._terminal.clear()

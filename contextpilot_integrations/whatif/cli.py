@@ -31,7 +31,7 @@ PAPER_LIMIT = 10_000
 FEEDBACK_HELP = (
     "what the engine tells back about evictions (online and chat): exact (block-level), request "
     "(a lost block drops the request: SGLang's KV events without block boundaries; the default), "
-    "none (llama.cpp)"
+    "usage (each request's own cached tokens: llama.cpp, vLLM or hosted APIs without events), none"
 )
 
 

@@ -9,7 +9,8 @@ question. Three modes:
 - ``online``: one request at a time, in arrival order (``file``; ``interleave``, which
   round-robins sessions; or ``shuffle``), with what the engine really tells back
   (``feedback``: ``exact`` block-level eviction notices, ``request``-level ones as SGLang's
-  events give without block boundaries, or ``none`` as from llama.cpp);
+  events give without block boundaries, ``usage``: only each request's own cached-token
+  count, as every OpenAI-compatible server reports it, or ``none``);
 - ``chat``: conversations interleaved round-robin by turn (concurrent sessions sharing one
   cache). Turn t sends the system prompt, every earlier turn it keeps (that turn's prompt
   as sent, and an answer of ``answer_tokens``, cached after generation as SGLang does),
@@ -50,10 +51,10 @@ __all__ = [
 
 Mode = Literal["offline", "online", "chat"]
 Arrival = Literal["file", "interleave", "shuffle"]
-Feedback = Literal["exact", "request", "none"]
+Feedback = Literal["exact", "request", "usage", "none"]
 MODES: tuple[Mode, ...] = ("offline", "online", "chat")
 ARRIVALS: tuple[Arrival, ...] = ("file", "interleave", "shuffle")
-FEEDBACKS: tuple[Feedback, ...] = ("exact", "request", "none")
+FEEDBACKS: tuple[Feedback, ...] = ("exact", "request", "usage", "none")
 SYSTEM_PROMPT = "Answer the question using the context documents."
 
 
@@ -209,14 +210,25 @@ def _round_robin(queues: list[list[T]]) -> list[T]:
 
 
 def _feedback(
-    pilot: ContextPilot, served: SimulatedRequest, feedback: Feedback, offsets: dict[str, tuple[int, int]]
+    pilot: ContextPilot,
+    served: SimulatedRequest,
+    feedback: Feedback,
+    offsets: dict[str, tuple[int, int]],
+    prepared: PreparedRequest,
 ) -> None:
     """Tell the pilot what the engine evicted, as much as ``feedback`` allows.
 
     Eviction notices count the units of a request's path; ``offsets`` gives each indexed
-    request's (units before its blocks, block count).
+    request's (units before its blocks, block count). ``usage`` sees no notices, only how
+    much of this request the engine served from its cache.
     """
     if feedback == "none":
+        return
+    if feedback == "usage":
+        layout = offsets.get(prepared.request_id)
+        if layout is not None:
+            before, blocks = layout
+            pilot.observe_cached(prepared, max(0, min(blocks, served.hit_blocks - before)))
         return
     for request_id, cached_units in served.evicted:
         layout = offsets.get(request_id)
@@ -351,7 +363,7 @@ class _Run:
             self.tally.seconds += time.perf_counter() - start
             served, _ = self.serve(prepared, request)
             start = time.perf_counter()
-            _feedback(self.pilot, served, feedback, self.offsets)
+            _feedback(self.pilot, served, feedback, self.offsets, prepared)
             self.tally.seconds += time.perf_counter() - start
 
     def chat(self, feedback: Feedback, history_turns: int | None, deduplicate: bool) -> None:
@@ -380,7 +392,7 @@ class _Run:
             served, own = self.serve(prepared, request, sent_history, answer)
             turns.append(own + answer)
             start = time.perf_counter()
-            _feedback(self.pilot, served, feedback, self.offsets)
+            _feedback(self.pilot, served, feedback, self.offsets, prepared)
             self.tally.seconds += time.perf_counter() - start
 
 

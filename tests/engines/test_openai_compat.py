@@ -163,3 +163,24 @@ def test_a_server_that_cannot_flush_is_refused(llama: LlamaServer, capsys: pytes
     assert main([*args, "--engine-requests", "2"]) == 3
     err = capsys.readouterr().err
     assert "refusing to compare" in err and "--engine-cmd" in err
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_cached_token_reports_keep_the_index_true(llama: LlamaServer, feedback: bool) -> None:
+    """llama-server with one slot and no RAM cache keeps only the last prompt: its cached-token
+    reports are the only feedback, and the index shrinks to what the server reports."""
+    pilot = ContextPilot()
+    client = OpenAICompatClient(llama.url, pilot, engine="llamacpp", usage_feedback=feedback)
+    first = pilot.prepare(docs("a", "b", "c"), "q1")
+    client.chat(first, max_tokens=1)
+    client.chat(pilot.prepare(docs("x", "y", "z"), "q2"), max_tokens=1)  # the slot now holds only this
+    third = pilot.prepare(docs("a", "b", "d"), "q3")
+    assert third.cached_blocks == 2  # predicted from the first request: the server no longer has it
+    result = client.chat(third, max_tokens=1)
+    assert result.cached_tokens is not None and result.cached_tokens < 200  # only the chat template's start
+    stale = pilot.predicted_cached_blocks([b.id for b in first.blocks])
+    if feedback:
+        assert stale == 2 and pilot.stats().feedback_shortened >= 1  # a, b: the third request sent them again
+    else:
+        assert stale == 3  # still predicts the first request's third block, which the server dropped
+    pilot.check()

@@ -172,8 +172,10 @@ def test_reordering_beats_retrieval_order_on_multihop() -> None:
 def test_feedback_modes_differ_as_the_engine_would() -> None:
     trace = multihop_trace()[:600]
     capacity = working_set_tokens(trace) // 10
-    hits = {f: replay(trace, "trie", "online", capacity, feedback=f).hit_ratio for f in ("exact", "request", "none")}
+    feedbacks = ("exact", "request", "usage", "none")
+    hits = {f: replay(trace, "trie", "online", capacity, feedback=f).hit_ratio for f in feedbacks}
     assert hits["exact"] >= hits["request"] and hits["exact"] > hits["none"]
+    assert hits["usage"] > hits["none"]  # cached-token reports alone recover most of it
 
 
 def test_interleaved_arrival_round_robins_sessions() -> None:

@@ -1,0 +1,101 @@
+"""What a served request tells the pilot: the engine's token accounting, and (without KV
+events) which of its blocks the engine really had cached.
+
+Every OpenAI-compatible server that fills ``usage.prompt_tokens_details.cached_tokens``
+(llama.cpp, vLLM, SGLang, hosted APIs) reports how much of a prompt it served from its
+cache. The prompt is the system prompt and history, then the blocks in send order, then
+the request's own tail (references, annotation, question). Token counts of our blocks are
+estimates unless given, so the engine's count is mapped onto them proportionally (the
+engine's ``prompt_tokens`` against our estimate of the whole prompt), and only a clear
+shortfall (under 90% of the predicted cached tokens) counts as an eviction.
+:meth:`~contextpilot_integrations.ContextPilot.observe_cached` then drops what is gone.
+Used by :class:`~.client.OpenAICompatClient` and the framework adapters alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..pilot import ContextPilot
+from ..prepared import PreparedRequest
+
+__all__ = ["EventTracker", "cached_blocks_from_usage", "estimate_prompt_tokens", "report_served"]
+
+SHORTFALL = 0.9
+"""Below this share of the predicted cached tokens, the engine had less than predicted."""
+
+
+class EventTracker(Protocol):
+    """Where a served prompt's token ids go so KV events can be mapped to it (a sink)."""
+
+    def track(self, request_id: str, token_ids: Sequence[int], block_ends: Sequence[int] | None = None) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+def estimate_prompt_tokens(text: str) -> int:
+    """Characters to tokens, the estimate blocks use without a given count."""
+    from ..blocks import CHARS_PER_TOKEN
+
+    return len(text) // CHARS_PER_TOKEN
+
+
+def cached_blocks_from_usage(
+    prepared: PreparedRequest, prompt_tokens: int, cached_tokens: int, before_tokens: int
+) -> int:
+    """How many of the request's leading blocks the engine served from its cache.
+
+    Args:
+        prompt_tokens, cached_tokens: the engine's report.
+        before_tokens: our estimate of the tokens before the blocks (system prompt, history).
+    """
+    sizes = [block.token_count for block in prepared.blocks]
+    tail = sum(estimate_prompt_tokens(r.text) for r in prepared.references)
+    tail += estimate_prompt_tokens(prepared.order_annotation) + estimate_prompt_tokens(prepared.query)
+    estimate = before_tokens + sum(sizes) + tail
+    scale = prompt_tokens / estimate if estimate else 1.0
+    predicted = scale * (before_tokens + sum(sizes[: prepared.cached_blocks]))
+    if cached_tokens >= SHORTFALL * predicted:
+        return prepared.cached_blocks  # as predicted, within the estimate's error
+    position = scale * before_tokens
+    held = 0
+    for size in sizes:
+        position += scale * size
+        if position > cached_tokens:
+            break
+        held += 1
+    return min(held, prepared.cached_blocks)
+
+
+def report_served(
+    pilot: ContextPilot | None,
+    prepared: PreparedRequest,
+    prompt_tokens: int | None,
+    cached_tokens: int | None,
+    *,
+    before_tokens: int = 0,
+    usage_feedback: bool = True,
+    tracker: EventTracker | None = None,
+    input_ids: Sequence[int] | None = None,
+) -> int:
+    """Record a served request: the engine's counts in the pilot's statistics, the prompt's
+    token ids with the event tracker, and, with ``usage_feedback``, a shortfall of cached
+    blocks in the index. Returns how many live requests the feedback shortened."""
+    if tracker is not None and input_ids:
+        tracker.track(prepared.request_id, input_ids)
+    if pilot is None:
+        return 0
+    pilot.record_usage(prepared, prompt_tokens, cached_tokens)
+    if not usage_feedback or prompt_tokens is None or cached_tokens is None or not prepared.cached_blocks:
+        return 0
+    held = cached_blocks_from_usage(prepared, prompt_tokens, cached_tokens, before_tokens)
+    return pilot.observe_cached(prepared, held)
+
+
+def report_failed(pilot: ContextPilot | None, prepared: PreparedRequest, tracker: EventTracker | None = None) -> None:
+    """The request was not served: the index and the conversation forget it."""
+    if tracker is not None:
+        tracker.forget(prepared.request_id)
+    if pilot is not None:
+        pilot.discard(prepared)
