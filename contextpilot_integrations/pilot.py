@@ -14,6 +14,7 @@ import gc
 import itertools
 import secrets
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
-from .annotations import DEFAULT_TEMPLATES, Templates
+from .annotations import DEFAULT_TEMPLATES, Templates, parse_order_annotation
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
@@ -30,7 +31,7 @@ from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
 
-__all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
+__all__ = ["BatchRequest", "ContextPilot", "PilotStats", "find_prepared", "prepared_by_id"]
 
 
 class PilotStats(BaseModel):
@@ -139,6 +140,9 @@ class ContextPilot:
         self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
         self._orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self._reserved: set[str] = set()  # ids of a batch being planned
+        self._recent: OrderedDict[str, PreparedRequest] = OrderedDict()  # for find_prepared()
+        self._by_ranking: dict[tuple[str, ...], str] = {}  # labels in the retriever's order -> id
+        _PILOTS.add(self)
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
@@ -248,7 +252,7 @@ class ContextPilot:
         counters.tokens_referenced += sum([r.block.token_count for r in references])
         counters.cached_blocks += cached_blocks
         counters.cached_tokens += cached_tokens
-        return PreparedRequest(
+        prepared = PreparedRequest(
             request_id=rid,
             query=query,
             blocks=tuple(sent),
@@ -263,6 +267,8 @@ class ContextPilot:
             annotate_order=self.annotate_order,
             templates=self.templates,
         )
+        self._remember(prepared)
+        return prepared
 
     # ---- a batch ------------------------------------------------------------------------
     def plan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
@@ -513,6 +519,43 @@ class ContextPilot:
         with self._lock:
             return list(self._trie.iter_nodes())
 
+    # ---- finding the request behind a prompt (framework adapters) ----------------------
+    def prepared_request(self, request_id: str) -> PreparedRequest | None:
+        """A recently prepared request by its id (the last ``RECENT`` are kept)."""
+        with self._lock:
+            return self._recent.get(request_id)
+
+    def find_prepared(self, text: str) -> PreparedRequest | None:
+        """The most recent prepared request whose order annotation appears in ``text``.
+
+        A framework's LLM call sees only the prompt: this is how it finds the request id
+        to send and where to report the engine's cached tokens. Needs the annotation
+        (``annotate_order=True``, the default).
+        """
+        head, _, tail = self.templates.order.partition("{order}")
+        found = None
+        start = text.find(head) if head else -1
+        while start != -1:
+            end = text.find(tail, start + len(head)) if tail else len(text)
+            if end == -1:
+                break
+            labels = tuple(parse_order_annotation(text[start : end + len(tail)], self.templates))
+            with self._lock:
+                rid = self._by_ranking.get(labels)
+                found = self._recent.get(rid) if rid is not None else found
+            start = text.find(head, end)
+        return found
+
+    def _remember(self, prepared: PreparedRequest) -> None:
+        recent = self._recent
+        recent[prepared.request_id] = prepared
+        self._by_ranking[tuple(block.label for block in prepared.ranking)] = prepared.request_id
+        while len(recent) > RECENT:
+            _, old = recent.popitem(last=False)
+            key = tuple(block.label for block in old.ranking)
+            if self._by_ranking.get(key) == old.request_id:
+                del self._by_ranking[key]
+
     def live_request_ids(self) -> list[str]:
         """Ids of the requests the index holds, oldest first."""
         with self._lock:
@@ -578,6 +621,29 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+_PILOTS: weakref.WeakSet[ContextPilot] = weakref.WeakSet()
+RECENT = 4_096
+"""Prepared requests kept for :meth:`ContextPilot.find_prepared` (per pilot)."""
+
+
+def find_prepared(text: str) -> tuple[ContextPilot, PreparedRequest] | None:
+    """The pilot and prepared request behind a prompt, searching every live pilot."""
+    for pilot in list(_PILOTS):
+        prepared = pilot.find_prepared(text)
+        if prepared is not None:
+            return pilot, prepared
+    return None
+
+
+def prepared_by_id(request_id: str) -> tuple[ContextPilot, PreparedRequest] | None:
+    """The pilot and recently prepared request with this id, searching every live pilot."""
+    for pilot in list(_PILOTS):
+        prepared = pilot.prepared_request(request_id)
+        if prepared is not None:
+            return pilot, prepared
+    return None
 
 
 _COMMIT_STEP = 64

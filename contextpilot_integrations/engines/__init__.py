@@ -3,6 +3,7 @@ tokens, and keep the index true from the engine's KV-cache events.
 
 - :class:`OpenAICompatClient`: chat completions with the request id, TTFT and cached tokens;
 - :class:`EvictionListener`: the HTTP callback server our SGLang plugin posts events to;
+- :class:`ZmqEventSubscriber`: follows a stock SGLang or vLLM KV-event socket (no plugin);
 - :class:`KvEventSink`: applies event batches from any transport to a pilot;
 - :class:`EngineBlockMap`: engine block hashes <-> our request ids;
 - :mod:`.wire`: the engines' formats; :mod:`.sglang_plugin`: the publisher loaded in SGLang.
@@ -13,9 +14,11 @@ from .client import ChatResult, OpenAICompatClient, redact_url
 from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
 from .sink import KvEventSink, SinkStats
-from .wire import REQUEST_ID_FIELDS, KvEventBatch
+from .wire import ENGINES, REQUEST_ID_FIELDS, KvEventBatch
+from .zmq_subscriber import SubscriberStats, ZmqEventSubscriber, subscribe_ranks
 
 __all__ = [
+    "ENGINES",
     "REQUEST_ID_FIELDS",
     "ChatResult",
     "EngineBlockMap",
@@ -27,5 +30,8 @@ __all__ = [
     "KvEventSink",
     "OpenAICompatClient",
     "SinkStats",
+    "SubscriberStats",
+    "ZmqEventSubscriber",
     "redact_url",
+    "subscribe_ranks",
 ]

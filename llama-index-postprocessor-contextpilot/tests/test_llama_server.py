@@ -62,3 +62,46 @@ def test_sglang_llm_needs_no_api_key(llama: LlamaServer, monkeypatch: pytest.Mon
     assert llm.chat([ChatMessage(role="user", content="hello")]).message.content is not None
     monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
     assert SGLangLLM(model="tiny", api_base=llama.url + "/v1").api_key == "EMPTY"
+
+
+def test_the_query_engine_path_sends_the_pilots_id_and_reports_back(
+    index: VectorStoreIndex, llama: LlamaServer
+) -> None:
+    """The LLM sees only the QA prompt: it finds the prepared request by the order annotation
+    the postprocessor put in the query, sends its id, and reports the counts to the pilot."""
+    from llama_index.postprocessor.contextpilot import ContextPilotEvent, ContextPilotPostprocessor
+
+    events: list[str] = []
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+
+    class Ids(BaseEventHandler):
+        @classmethod
+        def class_name(cls) -> str:
+            return "Ids"
+
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            if isinstance(event, ContextPilotEvent):
+                events.append(event.request_id)
+
+    get_dispatcher().add_event_handler(Ids())
+    seen: list[str] = []
+    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)
+    original = llm._get_model_kwargs
+
+    def spy(**kwargs: Any) -> dict[str, Any]:
+        out = original(**kwargs)
+        seen.append(out["extra_body"]["rid"])
+        return out
+
+    object.__setattr__(llm, "_get_model_kwargs", spy)
+    pilot = ContextPilot()
+    engine = index.as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+    )
+    engine.query(QUESTION)
+    assert seen and seen[-1] == events[-1]  # the postprocessor's request, not a fresh id
+    assert pilot.stats().engine_requests == 1 and pilot.stats().engine_prompt_tokens > 0
+    chat = ContextPilotChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=2), llm=llm, pilot=pilot)
+    chat.chat(QUESTION)
+    assert pilot.stats().engine_requests == 2

@@ -82,3 +82,51 @@ def test_chat_sglang_needs_no_api_key(llama: LlamaServer, monkeypatch: pytest.Mo
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     llm = ChatSGLang(model="tiny", base_url=llama.url + "/v1", max_tokens=2, temperature=0)  # as the README shows
     assert llm.invoke("hello").usage_metadata is not None
+
+
+def test_the_chat_model_sends_the_pilots_request_id_and_reports_back(llama: LlamaServer) -> None:
+    """In an LCEL chain the chat model sees only the prompt: it finds the prepared request
+    by its order annotation, sends that id, and reports the server's counts to its pilot."""
+    pilot = ContextPilot()
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=4, max_chars=300), pilot=pilot)
+    sent: list[str] = []
+
+    class Spy(ChatSGLang):
+        def _with_rid(self, config: Any, kwargs: dict[str, Any], binding: Any = None) -> dict[str, Any]:
+            out = super()._with_rid(config, kwargs, binding)
+            sent.append(out["extra_body"]["rid"])
+            return out
+
+    llm = Spy(model="tiny", base_url=llama.url + "/v1", max_tokens=2, temperature=0)
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer."), ("user", "{context}\n\nQuestion: {question}")])
+    documents: list[Any] = []
+
+    def keep(docs: Any) -> Any:
+        documents.append(docs)
+        return docs
+
+    chain = (
+        {"context": retriever | RunnableLambda(keep) | RunnableLambda(format_documents), "question": lambda q: q}
+        | prompt
+        | llm
+    )
+    chain.invoke(QUERY)
+    "".join(chunk.content for chunk in chain.stream(QUERY.upper()))
+    ids = [docs[0].metadata["contextpilot"]["request_id"] for docs in documents]
+    assert sent == ids  # the pilot's ids, not fresh ones
+    stats = pilot.stats()
+    assert stats.engine_requests == 2 and stats.engine_prompt_tokens > 0 and stats.engine_cached_tokens > 0
+
+
+def test_a_failed_call_makes_the_pilot_forget_the_request() -> None:
+    pilot = ContextPilot()
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=3, max_chars=200), pilot=pilot)
+    llm = ChatSGLang(model="tiny", base_url="http://127.0.0.1:9/v1", max_retries=0, timeout=2)
+    chain = (
+        {"context": retriever | RunnableLambda(format_documents), "question": lambda q: q}
+        | ChatPromptTemplate([("user", "{context}\n\n{question}")])
+        | llm
+    )
+    with pytest.raises(Exception):  # noqa: B017 - the openai client's connection error
+        chain.invoke(QUERY)
+    assert pilot.stats().live_requests == 0
