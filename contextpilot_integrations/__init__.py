@@ -7,6 +7,7 @@ Method: ContextPilot (MLSys 2026, "Fast Long-Context Inference via Context Reuse
 """
 
 from .annotations import Templates, parse_order_annotation, render_block
+from .batching import MicroBatcher
 from .blocks import Block, content_id
 from .errors import (
     BlockTypeError,
@@ -32,6 +33,7 @@ __all__ = [
     "DuplicateBlockError",
     "DuplicateRequestError",
     "InvalidBlockError",
+    "MicroBatcher",
     "PilotStats",
     "PreparedRequest",
     "Reference",

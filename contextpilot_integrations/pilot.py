@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -447,6 +447,32 @@ class ContextPilot:
                 while len(self._usage) > self._conversations.max_conversations:
                     self._usage.popitem(last=False)
 
+    def adopt(self, prepared: PreparedRequest) -> PreparedRequest:
+        """A request prepared elsewhere (another engine's pilot) is sent to this pilot's
+        engine after all (failover): record its send order here, as the engine will hold it.
+
+        Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
+        """
+        order = [block.id for block in prepared.blocks]
+        with self._lock:
+            rid = prepared.request_id
+            if rid in self._live or rid in self._reserved:
+                rid = self._new_request_id(None)
+            cached = 0
+            if not prepared.turn:
+                cached = self._trie.insert(rid, order)
+                self._live[rid] = next(self._ticks)
+                self._orders[rid] = tuple(order)
+                self._enforce_bound()
+            adopted = replace(
+                prepared,
+                request_id=rid,
+                cached_blocks=cached,
+                cached_tokens=sum(block.token_count for block in prepared.blocks[:cached]),
+            )
+            self._remember(adopted)
+            return adopted
+
     def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
         """The engine served only the first ``cached_blocks`` blocks of this request from its
         cache, where the index predicted ``prepared.cached_blocks``.
@@ -512,6 +538,20 @@ class ContextPilot:
         """Leading blocks of this send order the index predicts the engine holds."""
         with self._lock:
             return self._trie.match_length(block_ids)
+
+    def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
+        """Tokens of these blocks the engine could serve from its cache if this pilot
+        prepared them now: the longest live prefix they can follow (in retrieval order
+        for the ``retrieval`` strategy). What a router compares across engines."""
+        normalized, _ = normalize_blocks(blocks)
+        sizes = {block.id: block.token_count for block in normalized}
+        keys = list(sizes)
+        with self._lock:
+            if self._strategy.name == "retrieval":
+                head = keys[: self._trie.match_length(keys)]
+            else:
+                head = self._trie.best_prefix(keys)
+        return sum(sizes[key] for key in head)
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
         """The predicted engine state, one entry per cached block position, pre-order:

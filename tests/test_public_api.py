@@ -21,6 +21,7 @@ EXPECTED_ALL = [
     "DuplicateBlockError",
     "DuplicateRequestError",
     "InvalidBlockError",
+    "MicroBatcher",
     "PilotStats",
     "PreparedRequest",
     "Reference",

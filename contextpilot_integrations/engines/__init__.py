@@ -13,6 +13,7 @@ from ..errors import EngineError, EngineHTTPError, EngineUnavailable
 from .client import ChatResult, OpenAICompatClient, redact_url
 from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
+from .router import CacheAwarePolicy, Routed, RoutedResult, Router, RoutingClient, Target
 from .sink import KvEventSink, SinkStats
 from .wire import ENGINES, REQUEST_ID_FIELDS, KvEventBatch
 from .zmq_subscriber import SubscriberStats, ZmqEventSubscriber, subscribe_ranks
@@ -25,12 +26,18 @@ __all__ = [
     "EngineError",
     "EngineHTTPError",
     "EngineUnavailable",
+    "CacheAwarePolicy",
     "EvictionListener",
     "KvEventBatch",
     "KvEventSink",
     "OpenAICompatClient",
+    "Routed",
+    "RoutedResult",
+    "Router",
+    "RoutingClient",
     "SinkStats",
     "SubscriberStats",
+    "Target",
     "ZmqEventSubscriber",
     "redact_url",
     "subscribe_ranks",

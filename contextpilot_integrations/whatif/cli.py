@@ -18,15 +18,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..engines.router import Router
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
 from .engine_compare import EngineComparison, EngineComparisonError
-from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, reuse_bound_of_prompts
+from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
 from .trace import TraceError, TraceRequest, load_trace, multihop_trace, working_set_tokens
 
 DEFAULT_STRATEGY = inspect.signature(ContextPilot).parameters["strategy"].default
 DEFAULT_CAPACITIES = (0.1, 0.25, 0.5, 1.0)
+ROUTINGS = Router.ROUTINGS
 PAPER_LIMIT = 10_000
 FEEDBACK_HELP = (
     "what the engine tells back about evictions (online and chat): exact (block-level), request "
@@ -161,6 +163,18 @@ def _parser() -> argparse.ArgumentParser:
             "chat for a trace with conversations, else offline,online)",
         )
         command.add_argument("--arrival", choices=ARRIVALS, default="interleave", help="online arrival order")
+        command.add_argument(
+            "--targets",
+            type=_count(1),
+            default=1,
+            help="online: route across this many engines, each its own cache of the capacity divided among them",
+        )
+        command.add_argument(
+            "--routing",
+            type=_names(ROUTINGS, "routing"),
+            default=["round_robin", "cache_aware"],
+            help=f"online with --targets > 1: from {', '.join(ROUTINGS)} (default: round_robin,cache_aware)",
+        )
         command.add_argument("--feedback", choices=FEEDBACKS, default="request", help=FEEDBACK_HELP)
         command.add_argument(
             "--history-turns",
@@ -259,10 +273,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan: list[dict[str, object]] = []
     plan_key = _plan_key(runs, args) if args.command == "simulate" and args.plan_out else None
     rows = []
-    total = sum(len(trace) for trace, *_ in runs)
+    total = sum(
+        len(trace) * (len(args.routing) if mode == "online" and args.targets > 1 else 1) for trace, mode, *_ in runs
+    )
     with tqdm(total=total, desc="replaying", unit="req", disable=args.quiet or args.json) as bar:
         for trace, mode, fraction, capacity, strategy, dedup, baseline in runs:
             bar.set_postfix_str(f"{mode} {fraction:.0%} {strategy}", refresh=False)
+            if mode == "online" and args.targets > 1:
+                for routing in args.routing:
+                    result = replay_routed(
+                        trace,
+                        strategy,
+                        capacity // args.targets,
+                        targets=args.targets,
+                        routing=routing,
+                        feedback=args.feedback,
+                        shape=shape,
+                        arrival=args.arrival,
+                    )
+                    first = baseline and routing == args.routing[0]
+                    rows.append(Row(fraction, f"{label(strategy)}, {routing.replace('_', '-')}", result, first))
+                bar.update(len(trace))
+                continue
             result = replay(
                 trace,
                 strategy,
@@ -386,7 +418,8 @@ def _header(args: argparse.Namespace, workload: Workload, modes: Sequence[str], 
             f"reuse bound (system prompt and blocks an earlier request sent, of all prompt tokens): {bound:.1%}"
         )
     if "online" in modes:
-        lines.append(f"online: arrival {args.arrival}, feedback {args.feedback}")
+        spread = f"; across {args.targets} engines, each 1/{args.targets} of the cache" if args.targets > 1 else ""
+        lines.append(f"online: arrival {args.arrival}, feedback {args.feedback}{spread}")
     if "chat" in modes:
         conversations = len({r.conversation or r.id for r in workload.chat})
         history = "all turns" if args.history_turns is None else f"the last {args.history_turns} turns"

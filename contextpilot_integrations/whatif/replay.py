@@ -45,6 +45,7 @@ __all__ = [
     "arrival_order",
     "prompt_units",
     "replay",
+    "replay_routed",
     "reuse_bound_of_prompts",
     "serve_orders",
 ]
@@ -96,6 +97,18 @@ class ReplayResult:
     """Prompts larger than the cache: never cached (nothing can be reused from them)."""
     held_tokens: int = 0
     """Tokens the cache held at the end (with no capacity: everything ever cached)."""
+    routing: str | None = None
+    """Across several engines (:func:`replay_routed`): how requests were routed."""
+    requests_per_target: tuple[int, ...] = ()
+    mean_latency: float | None = None
+    """Modelled time to first token (queueing plus prefill), in prefill-token units."""
+    p90_latency: float | None = None
+
+    @property
+    def max_load_share(self) -> float:
+        """The busiest engine's requests over the mean (1.0: even; 1.0 for one engine)."""
+        counts = self.requests_per_target
+        return max(counts) * len(counts) / sum(counts) if counts and sum(counts) else 1.0
 
     @property
     def hit_ratio(self) -> float:
@@ -444,3 +457,90 @@ def reuse_bound_of_prompts(trace: Sequence[TraceRequest], shape: PromptShape | N
             seen.add(block)
         total += prompt
     return reusable / total if total else 0.0
+
+
+def replay_routed(
+    trace: Sequence[TraceRequest],
+    strategy: str,
+    capacity_tokens: int | None,
+    *,
+    targets: int,
+    routing: str = "cache_aware",
+    feedback: Feedback = "usage",
+    shape: PromptShape | None = None,
+    load: float = 0.7,
+    arrival: Arrival = "interleave",
+) -> ReplayResult:
+    """Requests arriving one at a time, routed across ``targets`` engines.
+
+    Each target is a :class:`RadixCacheSimulator` of ``capacity_tokens`` and serves its
+    queue in order; a request's service time is its prefill (prompt tokens not cached)
+    plus a fixed 32-token overhead, and requests arrive at a steady pace that would keep
+    the targets ``load`` busy without any cache. Routing is the
+    :class:`~contextpilot_integrations.engines.router.Router`'s (``cache_aware``,
+    ``round_robin`` or ``least_loaded``), with what each target tells back (``feedback``).
+    """
+    from ..engines.router import Router, Target
+
+    shape = shape or PromptShape()
+    router = Router(
+        [Target(f"engine-{n}", f"simulated://{n}") for n in range(targets)],
+        strategy=strategy,
+        routing=routing,
+        max_live_requests=max(len(trace), 1),
+    )
+    caches = {t.name: RadixCacheSimulator(capacity_tokens) for t in router.targets}
+    blocks = _Blocks()
+    offsets: dict[str, dict[str, tuple[int, int]]] = {t.name: {} for t in router.targets}
+    mean_prompt = sum(sum(r.token_counts()) for r in trace) / max(len(trace), 1)
+    gap = (mean_prompt + 32) / (targets * load)
+    busy_until = dict.fromkeys(caches, 0.0)
+    finishing: list[tuple[float, str]] = []  # (end time, target) of requests in flight
+    latencies: list[float] = []
+    prompt_tokens = cached_tokens = block_tokens = longest = 0
+    for step, index in enumerate(arrival_order(trace, arrival)):
+        now = step * gap
+        still = []
+        for end, name in finishing:
+            if end <= now:
+                router.finished(next(t for t in router.targets if t.name == name))
+            else:
+                still.append((end, name))
+        finishing = still
+        request = trace[index]
+        routed = router.prepare(blocks.of(request), request.question or "")
+        target, prepared = routed.target, routed.prepared
+        own, own_blocks, _ = prompt_units(prepared, request, shape)
+        block_tokens += own_blocks
+        system = _system(shape)
+        served = caches[target.name].request(prepared.request_id, system + own)
+        offsets[target.name][prepared.request_id] = (len(system), len(prepared.blocks))
+        _feedback(router.pilot(target), served, feedback, offsets[target.name], prepared)
+        prompt_tokens += served.block_tokens
+        cached_tokens += served.hit_tokens
+        longest = max(longest, served.block_tokens)
+        start = max(now, busy_until[target.name])
+        end = start + 32 + served.block_tokens - served.hit_tokens
+        busy_until[target.name] = end
+        latencies.append(end - now)
+        router.started(target)
+        finishing.append((end, target.name))
+    latencies.sort()
+    sent = router.sent()
+    return ReplayResult(
+        strategy=strategy,
+        mode="online",
+        capacity_tokens=capacity_tokens,
+        requests=len(trace),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        block_tokens=block_tokens,
+        reference_tokens=0,
+        max_prompt_tokens=longest,
+        pilot_seconds=0.0,
+        deduplicate=False,
+        routing=routing,
+        requests_per_target=tuple(sent[t.name] for t in router.targets),
+        mean_latency=sum(latencies) / max(len(latencies), 1),
+        p90_latency=latencies[int(0.9 * (len(latencies) - 1))] if latencies else 0.0,
+    )

@@ -32,6 +32,8 @@ def _millions(tokens: int) -> str:
 
 
 def _timing(result: ReplayResult) -> str:
+    if result.routing is not None:
+        return "-"
     if result.mode == "offline":
         return f"{result.pilot_seconds:.2f} s"
     return f"{result.pilot_seconds / max(result.requests, 1) * 1e6:.0f} us/req"
@@ -46,9 +48,10 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Row], notes: S
     print(PROMPT_TOKENS + "; hit ratio = cached / prompt tokens\n")
     single = [row for row in rows if row.result.mode != "chat"]
     if single:
+        width = max([18] + [len(row.label) + 1 for row in single])
         head = (
-            f"{'mode':<8}{'capacity':>9}  {'strategy':<18}{'hit ratio':>10}{'vs retrieval':>14}"
-            f"{'prefill':>10}{'pilot time':>14}"
+            f"{'mode':<8}{'capacity':>9}  {'strategy':<{width}}{'hit ratio':>10}{'vs retrieval':>14}"
+            f"{'prefill':>10}{'pilot time':>14}{'load':>7}"
         )
         print(head)
         print("-" * len(head))
@@ -59,7 +62,8 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Row], notes: S
             versus = f"{r.hit_ratio / base.hit_ratio:.1f}x" if base and base.hit_ratio else "-"
             lead = f"{r.mode:<8}{row.fraction:>9.0%}" if (r.mode, row.fraction) != previous else " " * 17
             prefill = _millions(r.prefill_tokens)
-            print(f"{lead}  {row.label:<18}{r.hit_ratio:>10.1%}{versus:>14}{prefill:>10}{_timing(r):>14}")
+            load = f"{r.max_load_share:.2f}" if r.routing else ""
+            print(f"{lead}  {row.label:<{width}}{r.hit_ratio:>10.1%}{versus:>14}{prefill:>10}{_timing(r):>14}{load:>7}")
             previous = (r.mode, row.fraction)
     chat = [row for row in rows if row.result.mode == "chat"]
     if chat:
@@ -117,6 +121,10 @@ def as_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
                 "prefill_saved": 1 - r.prefill_tokens / base.prefill_tokens if base and base.prefill_tokens else None,
                 "max_prompt_tokens": r.max_prompt_tokens,
                 "oversized_requests": r.oversized_requests,
+                "routing": r.routing,
+                "requests_per_target": list(r.requests_per_target) or None,
+                "max_load_share": r.max_load_share if r.routing else None,
+                "modelled_mean_latency": r.mean_latency,
                 "pilot_seconds": r.pilot_seconds,
             }
         )

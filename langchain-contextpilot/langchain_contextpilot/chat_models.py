@@ -54,6 +54,9 @@ class ChatSGLang(ChatOpenAI):
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
     engine: str = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
+    router: Any = Field(default=None, exclude=True)
+    """An ``engines.Router``: each call goes to the target whose cache the prepared request
+    was ordered for (``base_url`` is then unused); an unreachable target is routed around."""
 
     @model_validator(mode="before")
     @classmethod
@@ -134,10 +137,72 @@ class ChatSGLang(ChatOpenAI):
             generation.message.response_metadata[PROMPT_IDS_KEY] = ids
         return generation
 
+    # ---- routing across targets ----------------------------------------------------------------
+    def _targets(self, binding: Binding | None) -> list[Any]:
+        """Where to send, first choice first: the prepared request's target, then the rest."""
+        router = self.router
+        first = router.target_of(binding.pilot) if binding is not None else None
+        loads = router.loads()
+        rest = sorted((t for t in router.targets if t is not first), key=lambda t: loads[t.name])
+        return ([first] if first is not None else []) + rest
+
+    def _adopt(self, binding: Binding | None, target: Any) -> None:
+        """Sent elsewhere than prepared for (failover): that target's state records it."""
+        if binding is not None and self.router.target_of(binding.pilot) is not target:
+            self.router.pilot(target).adopt(binding.prepared)
+
+    def _delegate(self, target: Any) -> ChatSGLang:
+        """A chat model for one target (cached): this one's settings, that target's server."""
+        delegates: dict[str, ChatSGLang] = self.__dict__.setdefault("_delegates", {})
+        if target.name not in delegates:
+            skip = {"client", "async_client", "root_client", "root_async_client", "router", "openai_api_base"}
+            settings = {name: getattr(self, name) for name in type(self).model_fields if name not in skip}
+            extra = dict(settings.get("extra_body") or {})
+            if target.slot is not None:
+                extra["id_slot"] = target.slot
+            settings.update(extra_body=extra, engine=target.engine, base_url=target.base_url.rstrip("/") + "/v1")
+            settings["pilot"] = self.router.pilot(target)  # it reports to that target's state
+            delegates[target.name] = type(self)(**settings)
+        return delegates[target.name]
+
+    def _route(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
+        binding = self._bind(input, config)
+        targets = self._targets(binding)
+        for number, target in enumerate(targets):
+            self._adopt(binding, target)
+            self.router.started(target)
+            try:
+                return call(self._delegate(target))
+            except Exception as exc:
+                if number == len(targets) - 1 or not _unreachable(exc):
+                    raise
+                self.router.mark_down(target)
+            finally:
+                self.router.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+
+    async def _aroute(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
+        binding = self._bind(input, config)
+        targets = self._targets(binding)
+        for number, target in enumerate(targets):
+            self._adopt(binding, target)
+            self.router.started(target)
+            try:
+                return await call(self._delegate(target))
+            except Exception as exc:
+                if number == len(targets) - 1 or not _unreachable(exc):
+                    raise
+                self.router.mark_down(target)
+            finally:
+                self.router.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover
+
     # ---- every call style -------------------------------------------------------------------
     def invoke(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
+        if self.router is not None:
+            return self._route(input, config, lambda model: model.invoke(input, config, stop=stop, **kwargs))
         binding = self._bind(input, config)
         try:
             message = super().invoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
@@ -150,6 +215,8 @@ class ChatSGLang(ChatOpenAI):
     async def ainvoke(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
+        if self.router is not None:
+            return await self._aroute(input, config, lambda model: model.ainvoke(input, config, stop=stop, **kwargs))
         binding = self._bind(input, config)
         try:
             message = await super().ainvoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
@@ -162,6 +229,9 @@ class ChatSGLang(ChatOpenAI):
     def stream(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Iterator[Any]:
+        if self.router is not None:  # routed; the stream is read whole so that failover can resend
+            yield from self._route(input, config, lambda model: list(model.stream(input, config, stop=stop, **kwargs)))
+            return
         binding = self._bind(input, config)
         merged = None
         try:
@@ -176,6 +246,14 @@ class ChatSGLang(ChatOpenAI):
     async def astream(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
+        if self.router is not None:
+
+            async def whole(model: ChatSGLang) -> list[Any]:
+                return [chunk async for chunk in model.astream(input, config, stop=stop, **kwargs)]
+
+            for chunk in await self._aroute(input, config, whole):
+                yield chunk
+            return
         binding = self._bind(input, config)
         merged = None
         try:
@@ -193,3 +271,11 @@ def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
         return wire.input_ids(data, "the server")
     except EngineError:
         return None
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A connection-level failure (route around the target), not an answer from it."""
+    import httpx
+    import openai
+
+    return isinstance(exc, (openai.APIConnectionError, httpx.TransportError))

@@ -11,6 +11,7 @@ from langchain_core.runnables import RunnableConfig, RunnableLambda
 from pydantic import ConfigDict, Field
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.batching import aprepare_with, prepare_with
 
 from ._documents import CONVERSATION_KEYS, EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
 
@@ -30,7 +31,8 @@ class ContextPilotCompressor(BaseDocumentCompressor):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    pilot: ContextPilot = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=ContextPilot)
+    """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     conversation_id: str | None = None
     """A fixed conversation; otherwise it is read from the run's metadata/config."""
 
@@ -46,7 +48,7 @@ class ContextPilotCompressor(BaseDocumentCompressor):
     def compress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        prepared = self.pilot.prepare(to_blocks(documents), query, self._conversation(callbacks))
+        prepared = prepare_with(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
         if callbacks is not None:
             dispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": callbacks})
         return in_send_order(prepared, documents)
@@ -54,7 +56,7 @@ class ContextPilotCompressor(BaseDocumentCompressor):
     async def acompress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        prepared = await self.pilot.aprepare(to_blocks(documents), query, self._conversation(callbacks))
+        prepared = await aprepare_with(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
         if callbacks is not None:
             await adispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": callbacks})
         return in_send_order(prepared, documents)
@@ -65,14 +67,14 @@ class ContextPilotCompressor(BaseDocumentCompressor):
         def reorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
             conversation = self.conversation_id or conversation_id_from_config(config)
-            prepared = self.pilot.prepare(to_blocks(documents), query, conversation)
+            prepared = prepare_with(self.pilot, to_blocks(documents), query, conversation)
             dispatch_custom_event(EVENT_NAME, event_data(prepared), config=config)
             return in_send_order(prepared, documents)
 
         async def areorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
             conversation = self.conversation_id or conversation_id_from_config(config)
-            prepared = await self.pilot.aprepare(to_blocks(documents), query, conversation)
+            prepared = await aprepare_with(self.pilot, to_blocks(documents), query, conversation)
             await adispatch_custom_event(EVENT_NAME, event_data(prepared), config=config)
             return in_send_order(prepared, documents)
 

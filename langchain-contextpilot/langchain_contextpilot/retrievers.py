@@ -16,6 +16,7 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.batching import aprepare_with, prepare_with
 
 from ._documents import EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
 
@@ -34,7 +35,8 @@ class ContextPilotRetriever(BaseRetriever):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     base_retriever: RetrieverLike
-    pilot: ContextPilot = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=ContextPilot)
+    """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     k: int | None = None
     """Keep at most this many of the base retriever's documents (``None``: all)."""
 
@@ -57,7 +59,7 @@ class ContextPilotRetriever(BaseRetriever):
     ) -> list[Document]:
         documents = self.base_retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         documents = documents[: k or self.k or len(documents)]
-        prepared = self.pilot.prepare(to_blocks(documents), query, _cp_conversation)
+        prepared = prepare_with(self.pilot, to_blocks(documents), query, _cp_conversation)
         dispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": run_manager.get_child()})
         return in_send_order(prepared, documents)
 
@@ -72,6 +74,6 @@ class ContextPilotRetriever(BaseRetriever):
     ) -> list[Document]:
         documents = await self.base_retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         documents = documents[: k or self.k or len(documents)]
-        prepared = await self.pilot.aprepare(to_blocks(documents), query, _cp_conversation)
+        prepared = await aprepare_with(self.pilot, to_blocks(documents), query, _cp_conversation)
         await adispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": run_manager.get_child()})
         return in_send_order(prepared, documents)

@@ -168,3 +168,13 @@ def test_limit_reads_only_the_first_requests(tmp_path: Path, capsys: pytest.Capt
     trace.write_text("".join(f'{{"id": "r{i}", "blocks": ["x{i}"]}}\n' for i in range(50)), encoding="utf-8")
     assert main(["simulate", "--trace", str(trace), "--limit", "7", "--no-plot", "--json", "--capacity", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == 7
+
+
+def test_online_routing_across_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--modes", "online", "--capacity", "0.25", "--targets", "3", "--no-plot", "--json"]
+    assert main([*args, "--strategies", "retrieval,trie"]) == 0
+    rows = {(r["strategy"], r["routing"]): r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert set(rows) == {(s, r) for s in ("retrieval", "trie") for r in ("round_robin", "cache_aware")}
+    ours, baseline = rows[("trie", "cache_aware")], rows[("retrieval", "round_robin")]
+    assert ours["hit_ratio"] > 5 * baseline["hit_ratio"] and ours["max_load_share"] <= 1.5
+    assert len(ours["requests_per_target"]) == 3 and sum(ours["requests_per_target"]) == 2_556

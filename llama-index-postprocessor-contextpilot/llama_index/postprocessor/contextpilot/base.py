@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
@@ -11,6 +12,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from contextpilot_integrations import Block, ContextPilot, PreparedRequest
+from contextpilot_integrations.batching import prepare_with
 
 __all__ = ["ContextPilotEvent", "ContextPilotPostprocessor"]
 
@@ -76,7 +78,8 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     after the context.
     """
 
-    pilot: ContextPilot = Field(default_factory=ContextPilot, exclude=True)
+    pilot: Any = Field(default_factory=ContextPilot, exclude=True)
+    """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     conversation_id: str | None = None
     annotate_query: bool = True
     """Append the order annotation to the query string (the QA template shows it after the context)."""
@@ -91,7 +94,7 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
         if not nodes:
             return []
         query = query_bundle.query_str if query_bundle else ""
-        prepared = self.pilot.prepare(to_blocks(nodes), query, self.conversation_id)
+        prepared = prepare_with(self.pilot, to_blocks(nodes), query, self.conversation_id)
         emit(prepared, nodes)
         annotation = prepared.order_annotation
         if query_bundle is not None and self.annotate_query and annotation and annotation not in query_bundle.query_str:

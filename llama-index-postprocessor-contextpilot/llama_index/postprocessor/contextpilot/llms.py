@@ -52,6 +52,11 @@ class SGLangLLM(OpenAILike):
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
     server: str = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
+    slot: int | None = None
+    """llama-server slot to pin (``id_slot``)."""
+    router: Any = Field(default=None, exclude=True)
+    """An ``engines.Router``: each call goes to the target whose cache the prepared request
+    was ordered for (``api_base`` is then unused); an unreachable target is routed around."""
 
     def __init__(self, **kwargs: Any) -> None:
         # a local engine takes any key: "EMPTY" unless one is given (never OPENAI_API_KEY)
@@ -71,6 +76,8 @@ class SGLangLLM(OpenAILike):
             extra[name] = rid
         if self.event_sink is not None:
             extra.update(wire.PROMPT_IDS_REQUEST.get(self.server, {}))
+        if self.slot is not None:
+            extra["id_slot"] = self.slot
         model_kwargs["extra_body"] = extra
         if model_kwargs.get("stream"):
             model_kwargs.setdefault("stream_options", {"include_usage": True})
@@ -109,8 +116,66 @@ class SGLangLLM(OpenAILike):
         if binding is not None:
             report_failed(binding.pilot, binding.prepared, self.event_sink)
 
+    # ---- routing across targets ----------------------------------------------------------------
+    def _delegate(self, target: Any) -> SGLangLLM:
+        """An LLM for one target (cached): this one's settings, that target's server."""
+        delegates: dict[str, SGLangLLM] = self.__dict__.setdefault("_delegates", {})
+        if target.name not in delegates:
+            skip = {"router", "api_base", "slot", "server", "callback_manager", "pilot"}
+            settings = {name: getattr(self, name) for name in type(self).model_fields if name not in skip}
+            settings["pilot"] = self.router.pilot(target)  # it reports to that target's state
+            delegates[target.name] = type(self)(
+                **settings, api_base=target.base_url.rstrip("/") + "/v1", slot=target.slot, server=target.engine
+            )
+        return delegates[target.name]
+
+    def _targets(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[Binding | None, list[Any]]:
+        binding = self._bind(messages, kwargs)
+        router = self.router
+        first = router.target_of(binding.pilot) if binding is not None else None
+        loads = router.loads()
+        rest = sorted((t for t in router.targets if t is not first), key=lambda t: loads[t.name])
+        return binding, ([first] if first is not None else []) + rest
+
+    def _adopt(self, binding: Binding | None, target: Any, kwargs: dict[str, Any]) -> None:
+        """Sent elsewhere than prepared for (failover): that target's state records it."""
+        if binding is not None and self.router.target_of(binding.pilot) is not target:
+            kwargs[REQUEST_ID_KWARG] = self.router.pilot(target).adopt(binding.prepared).request_id
+
+    def _route(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
+        binding, targets = self._targets(messages, kwargs)
+        for number, target in enumerate(targets):
+            self._adopt(binding, target, kwargs)
+            self.router.started(target)
+            try:
+                return call(self._delegate(target))
+            except Exception as exc:
+                if number == len(targets) - 1 or not _unreachable(exc):
+                    raise
+                self.router.mark_down(target)
+            finally:
+                self.router.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+
+    async def _aroute(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
+        binding, targets = self._targets(messages, kwargs)
+        for number, target in enumerate(targets):
+            self._adopt(binding, target, kwargs)
+            self.router.started(target)
+            try:
+                return await call(self._delegate(target))
+            except Exception as exc:
+                if number == len(targets) - 1 or not _unreachable(exc):
+                    raise
+                self.router.mark_down(target)
+            finally:
+                self.router.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover
+
     # ---- every call style ----------------------------------------------------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        if self.router is not None:
+            return self._route(messages, kwargs, lambda llm: llm.chat(messages, **kwargs))  # type: ignore[no-any-return]
         binding = self._bind(messages, kwargs)
         try:
             response = super().chat(messages, **kwargs)
@@ -120,6 +185,8 @@ class SGLangLLM(OpenAILike):
         return self._report(binding, response) or response
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        if self.router is not None:
+            return await self._aroute(messages, kwargs, lambda llm: llm.achat(messages, **kwargs))  # type: ignore[no-any-return]
         binding = self._bind(messages, kwargs)
         try:
             response = await super().achat(messages, **kwargs)
@@ -129,6 +196,9 @@ class SGLangLLM(OpenAILike):
         return self._report(binding, response) or response
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generator[ChatResponse, None, None]:
+        if self.router is not None:  # routed; the stream is read whole so that failover can resend
+            yield from self._route(messages, kwargs, lambda llm: list(llm.stream_chat(messages, **kwargs)))
+            return
         binding = self._bind(messages, kwargs)
         last: ChatResponse | None = None
         ids: list[int] | None = None
@@ -143,6 +213,18 @@ class SGLangLLM(OpenAILike):
         self._report(binding, _with_ids(last, ids))
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> AsyncGenerator[ChatResponse, None]:
+        if self.router is not None:
+
+            async def whole(llm: SGLangLLM) -> list[ChatResponse]:
+                return [chunk async for chunk in await llm.astream_chat(messages, **kwargs)]
+
+            chunks = await self._aroute(messages, kwargs, whole)
+
+            async def replay() -> AsyncGenerator[ChatResponse, None]:
+                for chunk in chunks:
+                    yield chunk
+
+            return replay()
         binding = self._bind(messages, kwargs)
         try:
             stream = await super().astream_chat(messages, **kwargs)
@@ -186,3 +268,11 @@ def _with_ids(response: ChatResponse | None, ids: list[int] | None) -> ChatRespo
     data = response.raw if isinstance(response.raw, dict) else response.raw.model_dump() if response.raw else {}
     response.raw = {**data, "prompt_token_ids": ids}
     return response
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A connection-level failure (route around the target), not an answer from it."""
+    import httpx
+    import openai
+
+    return isinstance(exc, (openai.APIConnectionError, httpx.TransportError))
