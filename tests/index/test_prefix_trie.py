@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations.index import PrefixTrie
@@ -35,8 +35,12 @@ def test_eviction_removes_exactly_the_unshared_parts(requests: list[list[int]], 
 
 @settings(max_examples=100, deadline=None)
 @given(orders)
+@example([[0, 1], [0, 2], [1, 0], [1, 2], [2, 0, 1], [0, 1, 2]])  # found by CI with the default budget of 6
 def test_best_prefix_is_a_live_path_within_the_request(requests: list[list[int]]) -> None:
-    trie: PrefixTrie[int] = PrefixTrie()
+    """With room to search, the longest path is found. (The default budget, 6 branches,
+    bounds the cost of a lookup at the price of sometimes missing a longer path: a shorter
+    one is then reused, never a path the engine does not hold.)"""
+    trie: PrefixTrie[int] = PrefixTrie(max_search_nodes=10_000)
     for i, order in enumerate(requests[:-1]):
         trie.insert(f"r{i}", order)
     query = requests[-1]
