@@ -25,6 +25,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from contextpilot_integrations.engines import Router, RoutingClient, Target
 from contextpilot_integrations.engines.client import ChatResult, OpenAICompatClient
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
 from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
-from contextpilot_integrations.whatif.replay import replay_routed
+from contextpilot_integrations.whatif.replay import arrival_order, replay_routed
 
 SYSTEM = "Answer the question using the context documents."
 
@@ -66,8 +67,20 @@ class Pass:
 HEADER = f"{'':<44}{'mean':>8}{'p50':>8}{'p90':>8}{'cached':>9}{'req/s':>9}{'load':>8}{'TTFT':>8}"
 
 
-def workload(requests: int, chars: int) -> list[tuple[list[Block], str]]:
-    trace = multihop_trace(texts=True)[:requests]
+def workload(requests: int, chars: int, sessions: int) -> list[tuple[list[Block], str]]:
+    """The trace in file order; or (``sessions`` > 0) that many users, each asking in turn
+    about one story (queries grouped by evidence article), their requests interleaved."""
+    trace = multihop_trace(texts=True, conversations=sessions > 0)
+    if sessions:
+        sizes = Counter(r.conversation for r in trace if r.conversation)
+        topics = [topic for topic, n in sizes.most_common() if n >= requests // sessions][:sessions]
+        chosen = [
+            r.model_copy(update={"session": r.conversation, "conversation": None})
+            for r in trace
+            if r.conversation in topics
+        ]
+        trace = [chosen[i] for i in arrival_order(chosen, "interleave")]
+    trace = trace[:requests]
     return [
         ([Block(id=b, text=t[:chars]) for b, t in zip(r.blocks, r.texts or (), strict=True)], r.question or "")
         for r in trace
@@ -157,6 +170,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--burst", type=int, default=6)
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="interleave this many users, each asking about one story (0: the trace in file order)",
+    )
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: slots,replicas,bursts,simulator")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -165,8 +184,9 @@ def main() -> None:
         raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
     workdir = Path(tempfile.mkdtemp(prefix="cp-routing-"))
     servers = Servers(binary, write_tiny_gguf(workdir / "tiny.gguf"), workdir)
-    items = workload(args.requests, args.block_chars)
-    print(f"{args.requests} MultiHop-RAG queries one at a time (15 chunks of <= {args.block_chars} chars), tiny model")
+    items = workload(args.requests, args.block_chars, args.sessions)
+    arrival = f"{args.sessions} users interleaved, each on one story" if args.sessions else "in trace order"
+    print(f"{args.requests} MultiHop-RAG queries one at a time, {arrival} (15 chunks of <= {args.block_chars} chars)")
     print("TTFT in ms; cached = server-reported cached / prompt tokens; load = busiest target / mean\n")
 
     if "slots" not in skip:

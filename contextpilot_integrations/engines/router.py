@@ -12,7 +12,8 @@ kept true by that target's events or cached-token reports) and, like SGLang's ro
    least loaded target;
 2. else the target whose cache holds the longest prefix of the request's blocks, if that
    prefix is at least ``cache_threshold`` of the request's block tokens;
-3. else the target with the least predicted in its cache (room for a new prefix).
+3. else the least recently used target (its cache holds the oldest prefixes: room for a
+   new one), which also spreads new prefixes evenly.
 
 A conversation stays on one target (its history is cached there). A target that fails is
 marked down for ``down_seconds`` and routed around; the request is prepared again for
@@ -27,9 +28,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..blocks import BlockLike, normalize_blocks
 from ..errors import EngineUnavailable
@@ -37,8 +38,25 @@ from ..pilot import BatchRequest, ContextPilot
 from ..prepared import PreparedRequest
 from . import wire
 from .client import ChatResult, OpenAICompatClient
+from .feedback import Binding
 
-__all__ = ["CacheAwarePolicy", "Routed", "RoutedResult", "Router", "RoutingClient", "Target"]
+T = TypeVar("T")
+
+__all__ = ["CacheAwarePolicy", "Routed", "RoutedResult", "Router", "RoutingClient", "Target", "is_unreachable"]
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """A connection-level failure (route around the target), not an answer from it:
+    httpx's, ours, or the OpenAI SDK's (which the framework adapters use)."""
+    import httpx
+
+    if isinstance(exc, (httpx.TransportError, EngineUnavailable)):
+        return True
+    try:
+        import openai
+    except ImportError:
+        return False
+    return isinstance(exc, openai.APIConnectionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +103,7 @@ class _State:
     down_until: float = 0.0
     sent: int = 0
     failures: int = 0
+    last_used: int = -1
 
 
 class Router:
@@ -128,6 +147,7 @@ class Router:
         self._by_pilot = {id(state.pilot): t for t, state in zip(targets, self._states.values(), strict=True)}
         self._conversations: OrderedDict[str, str] = OrderedDict()
         self._next = 0
+        self._uses = 0
         self._lock = threading.Lock()
 
     # ---- state ----------------------------------------------------------------------------
@@ -154,6 +174,8 @@ class Router:
             state = self._states[target.name]
             state.in_flight += 1
             state.sent += 1
+            state.last_used = self._uses
+            self._uses += 1
 
     def finished(self, target: Target) -> None:
         with self._lock:
@@ -216,7 +238,7 @@ class Router:
         best = max(candidates, key=lambda t: (reuse[t.name], -loads[t.name]))
         if size and reuse[best.name] >= policy.cache_threshold * size:
             return self._stick(conversation_id, best), "cache"
-        roomiest = min(candidates, key=lambda t: (self._states[t.name].pilot.stats().index_nodes, loads[t.name]))
+        roomiest = min(candidates, key=lambda t: (loads[t.name], self._states[t.name].last_used))
         return self._stick(conversation_id, roomiest), "room"
 
     def _stick(self, conversation_id: str | None, target: Target) -> Target:
@@ -256,6 +278,57 @@ class Router:
     ) -> Routed:
         """Async variant of :meth:`prepare` (it never blocks on I/O, so it runs inline)."""
         return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, exclude=exclude)
+
+    # ---- sending a prompt a framework already rendered -----------------------------------------
+    def attempts(self, binding: Binding | None) -> list[Target]:
+        """Where to send a prepared prompt, first choice first: the target it was prepared
+        for, then the others, least loaded first."""
+        first = self.target_of(binding.pilot) if binding is not None else None
+        loads = self.loads()
+        rest = sorted((t for t in self.targets if t is not first), key=lambda t: loads[t.name])
+        return ([first] if first is not None else []) + rest
+
+    def _as_known_to(self, binding: Binding | None, target: Target) -> PreparedRequest | None:
+        """The request as ``target``'s state knows it: sent elsewhere than prepared for
+        (failover), it is adopted there, since that engine will hold it."""
+        if binding is None:
+            return None
+        if self.target_of(binding.pilot) is target:
+            return binding.prepared
+        return self.pilot(target).adopt(binding.prepared)
+
+    def call(self, binding: Binding | None, send: Callable[[Target, PreparedRequest | None], T]) -> T:
+        """``send`` to each target of :meth:`attempts` until one answers; an unreachable one
+        is marked down. Load is counted while a call is in flight."""
+        targets = self.attempts(binding)
+        for number, target in enumerate(targets):
+            prepared = self._as_known_to(binding, target)
+            self.started(target)
+            try:
+                return send(target, prepared)
+            except Exception as exc:
+                if number == len(targets) - 1 or not is_unreachable(exc):
+                    raise
+                self.mark_down(target)
+            finally:
+                self.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+
+    async def acall(self, binding: Binding | None, send: Callable[[Target, PreparedRequest | None], Awaitable[T]]) -> T:
+        """Async variant of :meth:`call`."""
+        targets = self.attempts(binding)
+        for number, target in enumerate(targets):
+            prepared = self._as_known_to(binding, target)
+            self.started(target)
+            try:
+                return await send(target, prepared)
+            except Exception as exc:
+                if number == len(targets) - 1 or not is_unreachable(exc):
+                    raise
+                self.mark_down(target)
+            finally:
+                self.finished(target)
+        raise RuntimeError("no target")  # pragma: no cover
 
     def plan(self, requests: Sequence[BatchRequest]) -> list[Routed]:
         """A batch: route every request (counting those routed before it as load), then plan

@@ -16,12 +16,13 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-__all__ = ["LlamaServer", "ServerProcess", "free_port", "llama_server_binary", "write_tiny_gguf"]
+__all__ = ["LlamaServer", "ServerProcess", "free_port", "llama_server_binary", "tiny_llama_server", "write_tiny_gguf"]
 
 CHATML = (
     "{% for message in messages %}"
@@ -186,3 +187,23 @@ class LlamaServer(ServerProcess):
         args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}"]
         args += ["-c", "8192", "-np", "1", "-t", "2", "--cache-ram", "0", *extra_args]
         return shlex.join(args)
+
+
+def tiny_llama_server(
+    workdir: Path, skip: Callable[[str], object], log_name: str = "llama-server.log", **options: Any
+) -> LlamaServer:
+    """A llama-server with the tiny model (written once into ``workdir``), for test suites.
+
+    Without a binary: ``skip(reason)`` (e.g. ``pytest.skip``), or a ``RuntimeError`` where
+    ``CONTEXTPILOT_REQUIRE_ENGINE`` is set (CI: the test must run, not skip).
+    """
+    binary = llama_server_binary()
+    if binary is None:
+        if os.environ.get("CONTEXTPILOT_REQUIRE_ENGINE"):
+            raise RuntimeError("llama-server not found; run scripts/build_llama_server.sh")
+        skip("llama-server not built; ./run.sh test builds it")
+        raise RuntimeError("llama-server not built")  # skip() raises in pytest; here for other callers
+    model = workdir / "tiny.gguf"
+    if not model.exists():
+        write_tiny_gguf(model)
+    return LlamaServer(binary, model, workdir / log_name, **options)

@@ -138,19 +138,6 @@ class ChatSGLang(ChatOpenAI):
         return generation
 
     # ---- routing across targets ----------------------------------------------------------------
-    def _targets(self, binding: Binding | None) -> list[Any]:
-        """Where to send, first choice first: the prepared request's target, then the rest."""
-        router = self.router
-        first = router.target_of(binding.pilot) if binding is not None else None
-        loads = router.loads()
-        rest = sorted((t for t in router.targets if t is not first), key=lambda t: loads[t.name])
-        return ([first] if first is not None else []) + rest
-
-    def _adopt(self, binding: Binding | None, target: Any) -> None:
-        """Sent elsewhere than prepared for (failover): that target's state records it."""
-        if binding is not None and self.router.target_of(binding.pilot) is not target:
-            self.router.pilot(target).adopt(binding.prepared)
-
     def _delegate(self, target: Any) -> ChatSGLang:
         """A chat model for one target (cached): this one's settings, that target's server."""
         delegates: dict[str, ChatSGLang] = self.__dict__.setdefault("_delegates", {})
@@ -167,35 +154,11 @@ class ChatSGLang(ChatOpenAI):
 
     def _route(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
         binding = self._bind(input, config)
-        targets = self._targets(binding)
-        for number, target in enumerate(targets):
-            self._adopt(binding, target)
-            self.router.started(target)
-            try:
-                return call(self._delegate(target))
-            except Exception as exc:
-                if number == len(targets) - 1 or not _unreachable(exc):
-                    raise
-                self.router.mark_down(target)
-            finally:
-                self.router.finished(target)
-        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+        return self.router.call(binding, lambda target, _prepared: call(self._delegate(target)))
 
     async def _aroute(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
         binding = self._bind(input, config)
-        targets = self._targets(binding)
-        for number, target in enumerate(targets):
-            self._adopt(binding, target)
-            self.router.started(target)
-            try:
-                return await call(self._delegate(target))
-            except Exception as exc:
-                if number == len(targets) - 1 or not _unreachable(exc):
-                    raise
-                self.router.mark_down(target)
-            finally:
-                self.router.finished(target)
-        raise RuntimeError("no target")  # pragma: no cover
+        return await self.router.acall(binding, lambda target, _prepared: call(self._delegate(target)))
 
     # ---- every call style -------------------------------------------------------------------
     def invoke(
@@ -271,11 +234,3 @@ def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
         return wire.input_ids(data, "the server")
     except EngineError:
         return None
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """A connection-level failure (route around the target), not an answer from it."""
-    import httpx
-    import openai
-
-    return isinstance(exc, (openai.APIConnectionError, httpx.TransportError))

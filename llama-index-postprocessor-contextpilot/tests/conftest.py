@@ -7,7 +7,6 @@ when llama-server is not built.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +16,7 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.schema import TextNode
 
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +30,16 @@ def index() -> VectorStoreIndex:
 
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    binary = llama_server_binary()
-    if binary is None:
-        if os.environ.get("CONTEXTPILOT_REQUIRE_ENGINE"):
-            raise RuntimeError("llama-server not found; run scripts/build_llama_server.sh")
-        pytest.skip("llama-server not built; ./run.sh test builds it")
-    workdir = tmp_path_factory.mktemp("llama-li")
-    server = LlamaServer(binary, write_tiny_gguf(workdir / "tiny.gguf"), workdir / "llama-server.log")
+    server = tiny_llama_server(tmp_path_factory.mktemp("llama-li"), pytest.skip)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaServer]]:
+    """Two llama-servers (one CPU thread each): replicas to route between."""
+    workdir = tmp_path_factory.mktemp("replicas")
+    servers = [tiny_llama_server(workdir, pytest.skip, f"server{n}.log", threads=1) for n in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()

@@ -3,29 +3,12 @@ cache holds the prefix, the LLM sends there; real llama-server replicas and a de
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from llama_index.core import VectorStoreIndex
 
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port, llama_server_binary, write_tiny_gguf
+from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port
 from llama_index.postprocessor.contextpilot import ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION
-
-
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaServer]]:
-    binary = llama_server_binary()
-    if binary is None:
-        pytest.skip("llama-server not built")
-    workdir = Path(tmp_path_factory.mktemp("replicas"))
-    model = write_tiny_gguf(workdir / "tiny.gguf")
-    servers = [LlamaServer(binary, model, workdir / f"server{n}.log", threads=1) for n in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def test_query_engine_routes_to_the_replica_holding_the_prefix(

@@ -4,31 +4,15 @@ holds the prefix, the chat model sends there; real llama-server replicas (and a 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda
 
 from contextpilot_integrations import MicroBatcher
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port, llama_server_binary, write_tiny_gguf
+from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port
 from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, format_documents
 from tests.support import QUERY, BM25ChunkRetriever
-
-
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaServer]]:
-    binary = llama_server_binary()
-    if binary is None:
-        pytest.skip("llama-server not built")
-    workdir = Path(tmp_path_factory.mktemp("replicas"))
-    model = write_tiny_gguf(workdir / "tiny.gguf")
-    servers = [LlamaServer(binary, model, workdir / f"server{n}.log", threads=1) for n in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def test_chain_routes_to_the_replica_holding_the_prefix(replicas: list[LlamaServer]) -> None:

@@ -18,7 +18,7 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse
 from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations import ContextPilot
+from contextpilot_integrations import ContextPilot, PreparedRequest
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.feedback import Binding, bind_prompt, report_failed, report_served
 from contextpilot_integrations.errors import EngineError
@@ -129,48 +129,25 @@ class SGLangLLM(OpenAILike):
             )
         return delegates[target.name]
 
-    def _targets(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[Binding | None, list[Any]]:
-        binding = self._bind(messages, kwargs)
-        router = self.router
-        first = router.target_of(binding.pilot) if binding is not None else None
-        loads = router.loads()
-        rest = sorted((t for t in router.targets if t is not first), key=lambda t: loads[t.name])
-        return binding, ([first] if first is not None else []) + rest
-
-    def _adopt(self, binding: Binding | None, target: Any, kwargs: dict[str, Any]) -> None:
-        """Sent elsewhere than prepared for (failover): that target's state records it."""
-        if binding is not None and self.router.target_of(binding.pilot) is not target:
-            kwargs[REQUEST_ID_KWARG] = self.router.pilot(target).adopt(binding.prepared).request_id
-
     def _route(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        binding, targets = self._targets(messages, kwargs)
-        for number, target in enumerate(targets):
-            self._adopt(binding, target, kwargs)
-            self.router.started(target)
-            try:
-                return call(self._delegate(target))
-            except Exception as exc:
-                if number == len(targets) - 1 or not _unreachable(exc):
-                    raise
-                self.router.mark_down(target)
-            finally:
-                self.router.finished(target)
-        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+        binding = self._bind(messages, kwargs)
+
+        def send(target: Any, prepared: PreparedRequest | None) -> Any:
+            if prepared is not None:
+                kwargs[REQUEST_ID_KWARG] = prepared.request_id  # as that target's state knows it
+            return call(self._delegate(target))
+
+        return self.router.call(binding, send)
 
     async def _aroute(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        binding, targets = self._targets(messages, kwargs)
-        for number, target in enumerate(targets):
-            self._adopt(binding, target, kwargs)
-            self.router.started(target)
-            try:
-                return await call(self._delegate(target))
-            except Exception as exc:
-                if number == len(targets) - 1 or not _unreachable(exc):
-                    raise
-                self.router.mark_down(target)
-            finally:
-                self.router.finished(target)
-        raise RuntimeError("no target")  # pragma: no cover
+        binding = self._bind(messages, kwargs)
+
+        def send(target: Any, prepared: PreparedRequest | None) -> Any:
+            if prepared is not None:
+                kwargs[REQUEST_ID_KWARG] = prepared.request_id
+            return call(self._delegate(target))
+
+        return await self.router.acall(binding, send)
 
     # ---- every call style ----------------------------------------------------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -268,11 +245,3 @@ def _with_ids(response: ChatResponse | None, ids: list[int] | None) -> ChatRespo
     data = response.raw if isinstance(response.raw, dict) else response.raw.model_dump() if response.raw else {}
     response.raw = {**data, "prompt_token_ids": ids}
     return response
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """A connection-level failure (route around the target), not an answer from it."""
-    import httpx
-    import openai
-
-    return isinstance(exc, (openai.APIConnectionError, httpx.TransportError))
