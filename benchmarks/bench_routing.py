@@ -37,6 +37,7 @@ from contextpilot_integrations.engines.client import ChatResult, OpenAICompatCli
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
 from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 from contextpilot_integrations.whatif.replay import arrival_order, replay_routed
+from contextpilot_integrations.whatif.trace import TraceRequest
 
 SYSTEM = "Answer the question using the context documents."
 
@@ -67,23 +68,27 @@ class Pass:
 HEADER = f"{'':<44}{'mean':>8}{'p50':>8}{'p90':>8}{'cached':>9}{'req/s':>9}{'load':>8}{'TTFT':>8}"
 
 
-def workload(requests: int, chars: int, sessions: int) -> list[tuple[list[Block], str]]:
+def queries(requests: int, sessions: int) -> list[TraceRequest]:
     """The trace in file order; or (``sessions`` > 0) that many users, each asking in turn
     about one story (queries grouped by evidence article), their requests interleaved."""
     trace = multihop_trace(texts=True, conversations=sessions > 0)
-    if sessions:
-        sizes = Counter(r.conversation for r in trace if r.conversation)
-        topics = [topic for topic, n in sizes.most_common() if n >= requests // sessions][:sessions]
-        chosen = [
-            r.model_copy(update={"session": r.conversation, "conversation": None})
-            for r in trace
-            if r.conversation in topics
-        ]
-        trace = [chosen[i] for i in arrival_order(chosen, "interleave")]
-    trace = trace[:requests]
+    if not sessions:
+        return trace
+    sizes = Counter(r.conversation for r in trace if r.conversation)
+    topics = [topic for topic, n in sizes.most_common() if n >= requests // sessions][:sessions]
+    chosen = [
+        r.model_copy(update={"session": r.conversation, "conversation": None})
+        for r in trace
+        if r.conversation in topics
+    ]
+    return [chosen[i] for i in arrival_order(chosen, "interleave")]
+
+
+def workload(trace: Sequence[TraceRequest], requests: int, chars: int) -> list[tuple[list[Block], str]]:
+    """The first ``requests`` queries as blocks cut to ``chars`` characters."""
     return [
         ([Block(id=b, text=t[:chars]) for b, t in zip(r.blocks, r.texts or (), strict=True)], r.question or "")
-        for r in trace
+        for r in trace[:requests]
     ]
 
 
@@ -184,7 +189,8 @@ def main() -> None:
         raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
     workdir = Path(tempfile.mkdtemp(prefix="cp-routing-"))
     servers = Servers(binary, write_tiny_gguf(workdir / "tiny.gguf"), workdir)
-    items = workload(args.requests, args.block_chars, args.sessions)
+    trace = queries(args.requests, args.sessions)
+    items = workload(trace, args.requests, args.block_chars)
     arrival = f"{args.sessions} users interleaved, each on one story" if args.sessions else "in trace order"
     print(f"{args.requests} MultiHop-RAG queries one at a time, {arrival} (15 chunks of <= {args.block_chars} chars)")
     print("TTFT in ms; cached = server-reported cached / prompt tokens; load = busiest target / mean\n")
@@ -243,12 +249,10 @@ def main() -> None:
             print(row.row(rows[0]))
 
     if "simulator" not in skip:
-        trace = multihop_trace()
         capacity = int(working_set_tokens(trace) * 0.25 / args.replicas)
         share = f"25%/{args.replicas}"
-        print(
-            f"\n== simulator: {len(trace):,} MultiHop queries one at a time, {args.replicas} caches of {share} each =="
-        )
+        caches = f"{args.replicas} caches of {share} each"
+        print(f"\n== simulator: {len(trace):,} MultiHop queries one at a time, {arrival}, {caches} ==")
         print(f"{'':<44}{'hit':>8}{'load':>8}")
         for strategy, routing, label in (
             ("retrieval", "round_robin", "retrieval order, round-robin"),
