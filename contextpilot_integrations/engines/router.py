@@ -28,7 +28,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -297,37 +298,35 @@ class Router:
             return binding.prepared
         return self.pilot(target).adopt(binding.prepared)
 
+    @contextmanager
+    def attempt(self, target: Target, *, last: bool) -> Iterator[None]:
+        """One try at ``target``, counted as load while it runs. An unreachable target is
+        marked down and the failure swallowed (the caller tries the next one), unless it
+        was the ``last`` one left."""
+        self.started(target)
+        try:
+            yield
+        except Exception as exc:
+            if last or not is_unreachable(exc):
+                raise
+            self.mark_down(target)
+        finally:
+            self.finished(target)
+
     def call(self, binding: Binding | None, send: Callable[[Target, PreparedRequest | None], T]) -> T:
-        """``send`` to each target of :meth:`attempts` until one answers; an unreachable one
-        is marked down. Load is counted while a call is in flight."""
+        """``send`` to each target of :meth:`attempts` until one answers."""
         targets = self.attempts(binding)
-        for number, target in enumerate(targets):
-            prepared = self._as_known_to(binding, target)
-            self.started(target)
-            try:
-                return send(target, prepared)
-            except Exception as exc:
-                if number == len(targets) - 1 or not is_unreachable(exc):
-                    raise
-                self.mark_down(target)
-            finally:
-                self.finished(target)
-        raise RuntimeError("no target")  # pragma: no cover - the loop returns or raises
+        for number, target in enumerate(targets, 1):
+            with self.attempt(target, last=number == len(targets)):
+                return send(target, self._as_known_to(binding, target))
+        raise RuntimeError("no target")  # pragma: no cover - the last attempt returns or raises
 
     async def acall(self, binding: Binding | None, send: Callable[[Target, PreparedRequest | None], Awaitable[T]]) -> T:
         """Async variant of :meth:`call`."""
         targets = self.attempts(binding)
-        for number, target in enumerate(targets):
-            prepared = self._as_known_to(binding, target)
-            self.started(target)
-            try:
-                return await send(target, prepared)
-            except Exception as exc:
-                if number == len(targets) - 1 or not is_unreachable(exc):
-                    raise
-                self.mark_down(target)
-            finally:
-                self.finished(target)
+        for number, target in enumerate(targets, 1):
+            with self.attempt(target, last=number == len(targets)):
+                return await send(target, self._as_known_to(binding, target))
         raise RuntimeError("no target")  # pragma: no cover
 
     def plan(self, requests: Sequence[BatchRequest]) -> list[Routed]:
@@ -431,18 +430,11 @@ class RoutingClient:
         tried: list[str] = []
         while True:
             target = routed.target
-            self.router.started(target)
-            try:
+            tried.append(target.name)
+            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)):
                 result = self.client(target).chat(routed.prepared, **params)
-                return RoutedResult(result, target, routed.reason, len(tried) + 1)
-            except EngineUnavailable:
-                tried.append(target.name)
-                self.router.mark_down(target)
-                if len(tried) >= len(self.router.targets):
-                    raise
-                routed = self._again(routed, tried)
-            finally:
-                self.router.finished(target)
+                return RoutedResult(result, target, routed.reason, len(tried))
+            routed = self._again(routed, tried)
 
     async def achat(
         self,
@@ -461,18 +453,11 @@ class RoutingClient:
         tried: list[str] = []
         while True:
             target = routed.target
-            self.router.started(target)
-            try:
+            tried.append(target.name)
+            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)):
                 result = await self.client(target).achat(routed.prepared, **params)
-                return RoutedResult(result, target, routed.reason, len(tried) + 1)
-            except EngineUnavailable:
-                tried.append(target.name)
-                self.router.mark_down(target)
-                if len(tried) >= len(self.router.targets):
-                    raise
-                routed = self._again(routed, tried)
-            finally:
-                self.router.finished(target)
+                return RoutedResult(result, target, routed.reason, len(tried))
+            routed = self._again(routed, tried)
 
     def _again(self, routed: Routed, tried: Sequence[str]) -> Routed:
         prepared = routed.prepared

@@ -172,3 +172,51 @@ def test_every_target_down_raises_and_loses_no_state() -> None:
     with RoutingClient(router, timeout=2) as client, pytest.raises(EngineUnavailable):
         client.chat(docs("a"), "q", max_tokens=1)
     assert all(router.pilot(t).stats().live_requests == 0 for t in router.targets)
+
+
+def test_async_routing_client_routes_around_a_dead_replica(replicas: list[LlamaServer]) -> None:
+    dead = Target("dead", f"http://127.0.0.1:{free_port()}", engine="llamacpp")
+    router = Router([dead, *(Target(f"r{n}", s.url, engine="llamacpp") for n, s in enumerate(replicas))])
+
+    async def run() -> list[object]:
+        with RoutingClient(router, timeout=30) as client:
+            return [await client.achat(docs("a", "b", f"own{i}"), f"q{i}", max_tokens=1) for i in range(3)]
+
+    served = asyncio.run(run())
+    assert len(served) == 3 and router.pilot(dead).stats().live_requests == 0
+    assert all(router.loads()[t.name] == 0 for t in router.targets)  # every attempt was counted off
+
+
+def test_call_fails_over_only_on_unreachable_targets() -> None:
+    """What the framework adapters run: a prompt already prepared for one target goes to the
+    next when that one cannot be reached (and is adopted there); an answer that is an error
+    is not retried elsewhere."""
+    import httpx
+
+    from contextpilot_integrations.engines.feedback import Binding
+
+    router = Router(TARGETS)
+    routed = router.prepare(docs("x", "y"), "q")
+    binding = Binding(router.pilot(routed.target), routed.prepared, 0)
+    tried: list[str] = []
+
+    def send(target: Target, prepared: object) -> str:
+        tried.append(target.name)
+        if len(tried) == 1:
+            with httpx.Client() as http:
+                http.get(f"http://127.0.0.1:{free_port()}")  # a real refused connection
+        assert prepared is not None
+        return target.name
+
+    answered = router.call(binding, send)
+    assert tried[0] == routed.target.name and answered == tried[1] != tried[0]
+    adopted_by = next(t for t in router.targets if t.name == answered)
+    assert router.pilot(adopted_by).stats().live_requests == 1  # that engine holds it now
+    assert all(load == 0 for load in router.loads().values())
+
+    async def refuse(target: Target, prepared: object) -> str:
+        raise ValueError("the server answered 400")
+
+    with pytest.raises(ValueError):
+        asyncio.run(router.acall(binding, refuse))
+    assert all(load == 0 for load in router.loads().values())
