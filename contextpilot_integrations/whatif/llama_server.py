@@ -16,13 +16,22 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["LlamaServer", "ServerProcess", "free_port", "llama_server_binary", "tiny_llama_server", "write_tiny_gguf"]
+__all__ = [
+    "LlamaServer",
+    "ServerProcess",
+    "free_port",
+    "llama_server_binary",
+    "tiny_llama_server",
+    "tiny_llama_servers",
+    "write_tiny_gguf",
+]
 
 CHATML = (
     "{% for message in messages %}"
@@ -207,3 +216,17 @@ def tiny_llama_server(
     if not model.exists():
         write_tiny_gguf(model)
     return LlamaServer(binary, model, workdir / log_name, **options)
+
+
+@contextmanager
+def tiny_llama_servers(
+    workdir: Path, skip: Callable[[str], object], count: int, **options: Any
+) -> Iterator[list[LlamaServer]]:
+    """``count`` tiny llama-servers (replicas to route between), stopped on exit."""
+    with ExitStack() as stack:
+        servers = []
+        for n in range(count):
+            server = tiny_llama_server(workdir, skip, f"server{n}.log", **options)
+            stack.callback(server.stop)
+            servers.append(server)
+        yield servers

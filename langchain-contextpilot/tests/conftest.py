@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server
+from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server, tiny_llama_servers
 
 
 @pytest.fixture(scope="session")
@@ -22,8 +22,5 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaServer]]:
     """Two llama-servers (one CPU thread each): replicas to route between."""
-    workdir = tmp_path_factory.mktemp("replicas")
-    servers = [tiny_llama_server(workdir, pytest.skip, f"server{n}.log", threads=1) for n in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
+    with tiny_llama_servers(tmp_path_factory.mktemp("replicas"), pytest.skip, 2, threads=1) as servers:
+        yield servers

@@ -15,7 +15,7 @@ from contextpilot_integrations.engines import CacheAwarePolicy, EngineUnavailabl
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
 from contextpilot_integrations.whatif.llama_server import free_port
 from contextpilot_integrations.whatif.replay import replay_routed
-from tests.engine_support import LlamaServer, start_llama_server
+from tests.engine_support import LlamaServer, start_llama_server, start_llama_servers
 
 
 def docs(*names: str, size: int = 400) -> list[Block]:
@@ -131,10 +131,9 @@ def test_the_simulator_routes_across_caches() -> None:
 # ---- real servers -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaServer]]:
-    servers = [start_llama_server(Path(tmp_path_factory.mktemp(f"replica{n}")), threads=1) for n in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
+    """Two llama-servers (one CPU thread each): replicas to route between."""
+    with start_llama_servers(tmp_path_factory.mktemp("replicas"), 2, threads=1) as servers:
+        yield servers
 
 
 def test_routing_client_reuses_prefixes_and_routes_around_a_dead_replica(replicas: list[LlamaServer]) -> None:
