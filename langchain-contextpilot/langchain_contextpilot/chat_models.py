@@ -10,10 +10,11 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables.config import merge_configs
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
-from contextpilot_integrations import ContextPilot
+from contextpilot_integrations import ContextPilot, PreparedRequest
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.feedback import Binding, bind_prompt, report_failed, report_served
 from contextpilot_integrations.errors import EngineError
@@ -153,19 +154,29 @@ class ChatSGLang(ChatOpenAI):
         return delegates[target.name]
 
     def _route(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
-        binding = self._bind(input, config)
-        return self.router.call(binding, lambda target, _prepared: call(self._delegate(target)))
+        return self.router.call(self._bind(input, config), self._sender(config, call))
 
     async def _aroute(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
-        binding = self._bind(input, config)
-        return await self.router.acall(binding, lambda target, _prepared: call(self._delegate(target)))
+        return await self.router.acall(self._bind(input, config), self._sender(config, call))
+
+    def _sender(self, config: RunnableConfig | None, call: Any) -> Any:
+        """Send through the target's delegate, naming the request (in the run's metadata) as
+        that target's state knows it, so the delegate binds it by id."""
+
+        def send(target: Any, prepared: PreparedRequest | None) -> Any:
+            named = RunnableConfig(metadata={REQUEST_ID_KEY: prepared.request_id}) if prepared is not None else None
+            return call(self._delegate(target), merge_configs(config, named))
+
+        return send
 
     # ---- every call style -------------------------------------------------------------------
     def invoke(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
         if self.router is not None:
-            return self._route(input, config, lambda model: model.invoke(input, config, stop=stop, **kwargs))
+            return self._route(
+                input, config, lambda model, run_config: model.invoke(input, run_config, stop=stop, **kwargs)
+            )
         binding = self._bind(input, config)
         try:
             message = super().invoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
@@ -179,7 +190,9 @@ class ChatSGLang(ChatOpenAI):
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
         if self.router is not None:
-            return await self._aroute(input, config, lambda model: model.ainvoke(input, config, stop=stop, **kwargs))
+            return await self._aroute(
+                input, config, lambda model, run_config: model.ainvoke(input, run_config, stop=stop, **kwargs)
+            )
         binding = self._bind(input, config)
         try:
             message = await super().ainvoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
@@ -193,7 +206,9 @@ class ChatSGLang(ChatOpenAI):
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Iterator[Any]:
         if self.router is not None:  # routed; the stream is read whole so that failover can resend
-            yield from self._route(input, config, lambda model: list(model.stream(input, config, stop=stop, **kwargs)))
+            yield from self._route(
+                input, config, lambda model, run_config: list(model.stream(input, run_config, stop=stop, **kwargs))
+            )
             return
         binding = self._bind(input, config)
         merged = None
@@ -211,8 +226,8 @@ class ChatSGLang(ChatOpenAI):
     ) -> AsyncIterator[Any]:
         if self.router is not None:
 
-            async def whole(model: ChatSGLang) -> list[Any]:
-                return [chunk async for chunk in model.astream(input, config, stop=stop, **kwargs)]
+            async def whole(model: ChatSGLang, run_config: RunnableConfig | None) -> list[Any]:
+                return [chunk async for chunk in model.astream(input, run_config, stop=stop, **kwargs)]
 
             for chunk in await self._aroute(input, config, whole):
                 yield chunk

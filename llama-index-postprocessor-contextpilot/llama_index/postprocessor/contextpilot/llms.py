@@ -130,24 +130,20 @@ class SGLangLLM(OpenAILike):
         return delegates[target.name]
 
     def _route(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        binding = self._bind(messages, kwargs)
-
-        def send(target: Any, prepared: PreparedRequest | None) -> Any:
-            if prepared is not None:
-                kwargs[REQUEST_ID_KWARG] = prepared.request_id  # as that target's state knows it
-            return call(self._delegate(target))
-
-        return self.router.call(binding, send)
+        return self.router.call(self._bind(messages, kwargs), self._sender(kwargs, call))
 
     async def _aroute(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        binding = self._bind(messages, kwargs)
+        return await self.router.acall(self._bind(messages, kwargs), self._sender(kwargs, call))
+
+    def _sender(self, kwargs: dict[str, Any], call: Any) -> Any:
+        """Send through the target's delegate, naming the request as that target's state knows it."""
 
         def send(target: Any, prepared: PreparedRequest | None) -> Any:
             if prepared is not None:
                 kwargs[REQUEST_ID_KWARG] = prepared.request_id
             return call(self._delegate(target))
 
-        return await self.router.acall(binding, send)
+        return send
 
     # ---- every call style ----------------------------------------------------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
