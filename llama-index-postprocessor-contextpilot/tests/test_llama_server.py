@@ -14,6 +14,21 @@ from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, SGLan
 from tests.support import QUESTION
 
 
+def spied_llm(llama: LlamaServer) -> tuple[SGLangLLM, list[str]]:
+    """An SGLangLLM on the server, and the request ids its calls send (appended as sent)."""
+    seen: list[str] = []
+    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)
+    original = llm._get_model_kwargs
+
+    def spy(**kwargs: Any) -> dict[str, Any]:
+        out = original(**kwargs)
+        seen.append(out["extra_body"]["rid"])
+        return out
+
+    object.__setattr__(llm, "_get_model_kwargs", spy)
+    return llm, seen
+
+
 def test_second_turn_reports_cached_tokens(index: VectorStoreIndex, llama: LlamaServer) -> None:
     llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)
     engine = ContextPilotChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=3), llm=llm)
@@ -25,16 +40,7 @@ def test_second_turn_reports_cached_tokens(index: VectorStoreIndex, llama: Llama
 
 
 def test_the_request_id_reaches_the_server_in_every_call_style(index: VectorStoreIndex, llama: LlamaServer) -> None:
-    seen: list[str] = []
-    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)
-    original = llm._get_model_kwargs
-
-    def spy(**kwargs: Any) -> dict[str, Any]:
-        out = original(**kwargs)
-        seen.append(out["extra_body"]["rid"])
-        return out
-
-    object.__setattr__(llm, "_get_model_kwargs", spy)
+    llm, seen = spied_llm(llama)
     pilot = ContextPilot()
     engine = ContextPilotChatEngine.from_defaults(
         retriever=index.as_retriever(similarity_top_k=2), llm=llm, pilot=pilot
@@ -85,16 +91,7 @@ def test_the_query_engine_path_sends_the_pilots_id_and_reports_back(
                 events.append(event.request_id)
 
     get_dispatcher().add_event_handler(Ids())
-    seen: list[str] = []
-    llm = SGLangLLM(model="tiny", api_base=llama.url + "/v1", max_tokens=2, context_window=8192)
-    original = llm._get_model_kwargs
-
-    def spy(**kwargs: Any) -> dict[str, Any]:
-        out = original(**kwargs)
-        seen.append(out["extra_body"]["rid"])
-        return out
-
-    object.__setattr__(llm, "_get_model_kwargs", spy)
+    llm, seen = spied_llm(llama)
     pilot = ContextPilot()
     engine = index.as_query_engine(
         llm=llm, similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
