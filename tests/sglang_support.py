@@ -12,12 +12,15 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import random
 import sys
 import types
 from array import array
 from typing import Any
 
 import pytest
+
+from contextpilot_integrations import Block
 
 STUBBED = tuple(
     name for name in ("triton", "torchvision", "tvm_ffi") if importlib.util.find_spec(name) is None
@@ -218,3 +221,22 @@ def serve_tokens(cache: Any, allocator: Any, tokens: list[int]) -> int:
 def match_tokens(cache: Any, tokens: list[int]) -> int:
     sgl = import_sglang()
     return int(cache.match_prefix(sgl.MatchPrefixParams(key=sgl.RadixKey(array("q", tokens)))).device_prefix_len)
+
+
+def block_workload(rng: random.Random) -> tuple[dict[int, int], dict[int, list[int]], dict[int, Block], list[float]]:
+    """30 blocks of 1-3 tokens each (sizes drawn from ``rng``): sizes, token ids, blocks and
+    Zipf-like popularity weights, for driving SGLang's cache and the index side by side."""
+    sizes = {b: rng.randint(1, 3) for b in range(30)}
+    tokens_of = {b: [1_000 * (b + 1) + j for j in range(sizes[b])] for b in sizes}
+    blocks = {b: Block(id=str(b), text=f"block {b}", tokens=sizes[b]) for b in sizes}
+    return sizes, tokens_of, blocks, [1 / (b + 1) for b in sizes]
+
+
+def layout(order: list[str], tokens_of: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """The token ids of blocks sent in ``order``, and where each block ends."""
+    tokens: list[int] = []
+    ends = []
+    for block_id in order:
+        tokens += tokens_of[int(block_id)]
+        ends.append(len(tokens))
+    return tokens, ends

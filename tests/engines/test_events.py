@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import EvictionListener
-from tests.sglang_support import build_cache, import_sglang, match_tokens, serve_tokens
+from tests.sglang_support import block_workload, build_cache, import_sglang, layout, match_tokens, serve_tokens
 
 DEBUG = False
 
@@ -142,21 +142,10 @@ def test_index_follows_sglang_evictions(kind: str) -> None:
 
     load_plugins()  # what SGLang's scheduler does first: finds our entry point
     rng = random.Random(11)
-    sizes = {b: rng.randint(1, 3) for b in range(30)}
-    tokens_of = {b: [1_000 * (b + 1) + j for j in range(sizes[b])] for b in sizes}
-    blocks = {b: Block(id=str(b), text=f"block {b}", tokens=sizes[b]) for b in sizes}
-    weights = [1 / (b + 1) for b in sizes]
+    sizes, tokens_of, blocks, weights = block_workload(rng)
     cache, allocator = build_cache(kind, capacity=48)
     cache.take_events()
     pilot = ContextPilot()
-
-    def layout(order: list[str]) -> tuple[list[int], list[int]]:
-        tokens: list[int] = []
-        ends = []
-        for block_id in order:
-            tokens += tokens_of[int(block_id)]
-            ends.append(len(tokens))
-        return tokens, ends
 
     with EvictionListener(pilot, page_size=1) as running:
         config = json.dumps({"publisher": "contextpilot_http", "endpoint": running.kv_events_url})
@@ -166,7 +155,7 @@ def test_index_follows_sglang_evictions(kind: str) -> None:
         for _ in range(200):
             chosen = list(dict.fromkeys(rng.choices(list(sizes), weights, k=rng.randint(2, 6))))
             prepared = pilot.prepare([blocks[b] for b in chosen], "q")
-            tokens, ends = layout([b.id for b in prepared.blocks])
+            tokens, ends = layout([b.id for b in prepared.blocks], tokens_of)
             serve_tokens(cache, allocator, tokens)
             running.sink.track(prepared.request_id, tokens, ends)
             events = cache.take_events()
@@ -186,7 +175,7 @@ def test_index_follows_sglang_evictions(kind: str) -> None:
     for probe in probes:
         order = [str(b) for b in probe]
         predicted = pilot.predicted_cached_blocks(order)
-        tokens, ends = layout(order)
+        tokens, ends = layout(order, tokens_of)
         cached = match_tokens(cache, tokens)
         actual = sum(1 for end in ends if end <= cached)
         assert predicted <= actual, f"{kind}: predicted {predicted} blocks of {order}, SGLang holds {actual}"

@@ -23,7 +23,7 @@ from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.engines import EngineBlockMap, KvEventSink
 from contextpilot_integrations.engines.zmq_subscriber import ZmqEventSubscriber
 from contextpilot_integrations.whatif.llama_server import free_port
-from tests.sglang_support import build_cache, import_sglang, match_tokens, serve_tokens
+from tests.sglang_support import block_workload, build_cache, import_sglang, layout, match_tokens, serve_tokens
 
 
 def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -71,30 +71,13 @@ def ports() -> Iterator[tuple[int, int]]:
     yield free_port(), free_port()
 
 
-def sglang_workload(seed: int) -> tuple[dict[int, int], dict[int, list[int]], dict[int, Block], list[float]]:
-    rng = random.Random(seed)
-    sizes = {b: rng.randint(1, 3) for b in range(30)}
-    tokens_of = {b: [1_000 * (b + 1) + j for j in range(sizes[b])] for b in sizes}
-    blocks = {b: Block(id=str(b), text=f"block {b}", tokens=sizes[b]) for b in sizes}
-    return sizes, tokens_of, blocks, [1 / (b + 1) for b in sizes]
-
-
-def layout(order: list[str], tokens_of: dict[int, list[int]]) -> tuple[list[int], list[int]]:
-    tokens: list[int] = []
-    ends = []
-    for block_id in order:
-        tokens += tokens_of[int(block_id)]
-        ends.append(len(tokens))
-    return tokens, ends
-
-
 @pytest.mark.parametrize("drop", [set(), {3, 4}])
 def test_sglang_zmq_events_keep_the_index_true(ports: tuple[int, int], drop: set[int]) -> None:
     import_sglang()
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
     rng = random.Random(7)
-    sizes, tokens_of, blocks, weights = sglang_workload(7)
+    sizes, tokens_of, blocks, weights = block_workload(random.Random(7))
     cache, allocator = build_cache("unified-rust", capacity=48)
     cache.take_events()
     pilot = ContextPilot()
