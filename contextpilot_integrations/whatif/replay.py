@@ -495,36 +495,30 @@ def replay_routed(
     mean_prompt = sum(sum(r.token_counts()) for r in trace) / max(len(trace), 1)
     gap = (mean_prompt + 32) / (targets * load)
     busy_until = dict.fromkeys(caches, 0.0)
-    finishing: list[tuple[float, str]] = []  # (end time, target) of requests in flight
+    finishing: list[tuple[float, Target]] = []  # (end time, target) of requests in flight
     latencies: list[float] = []
-    prompt_tokens = cached_tokens = block_tokens = longest = 0
+    tally = _Tally()
     for step, index in enumerate(arrival_order(trace, arrival)):
         now = step * gap
-        still = []
-        for end, name in finishing:
+        for end, done in finishing:
             if end <= now:
-                router.finished(next(t for t in router.targets if t.name == name))
-            else:
-                still.append((end, name))
-        finishing = still
+                router.finished(done)
+        finishing = [(end, t) for end, t in finishing if end > now]
         request = trace[index]
         routed = router.prepare(blocks.of(request), request.question or "")
         target, prepared = routed.target, routed.prepared
         own, own_blocks, _ = prompt_units(prepared, request, shape)
-        block_tokens += own_blocks
         system = _system(shape)
         served = caches[target.name].request(prepared.request_id, system + own)
+        tally.add(served, own_blocks, 0)
         offsets[target.name][prepared.request_id] = (len(system), len(prepared.blocks))
         _feedback(router.pilot(target), served, feedback, offsets[target.name], prepared)
-        prompt_tokens += served.block_tokens
-        cached_tokens += served.hit_tokens
-        longest = max(longest, served.block_tokens)
         start = max(now, busy_until[target.name])
         end = start + 32 + served.block_tokens - served.hit_tokens
         busy_until[target.name] = end
         latencies.append(end - now)
         router.started(target)
-        finishing.append((end, target.name))
+        finishing.append((end, target))
     latencies.sort()
     sent = router.sent()
     return ReplayResult(
@@ -532,13 +526,14 @@ def replay_routed(
         mode="online",
         capacity_tokens=capacity_tokens,
         requests=len(trace),
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        block_tokens=block_tokens,
+        prompt_tokens=tally.prompt,
+        cached_tokens=tally.cached,
+        block_tokens=tally.blocks,
         reference_tokens=0,
-        max_prompt_tokens=longest,
+        max_prompt_tokens=tally.longest,
         pilot_seconds=0.0,
         deduplicate=False,
+        oversized_requests=tally.oversized,
         routing=routing,
         requests_per_target=tuple(sent[t.name] for t in router.targets),
         mean_latency=sum(latencies) / max(len(latencies), 1),
