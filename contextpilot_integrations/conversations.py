@@ -134,6 +134,15 @@ class ConversationStore:
         self.record(dedup)
         return dedup
 
+    def carry(self, conversation_id: str, turn: int, blocks: Sequence[Block]) -> None:
+        """``turn`` sent these blocks in full after all: later turns may refer to it for them."""
+        conversation = self._conversations.get(conversation_id)
+        if conversation is None:
+            return
+        for block in blocks:
+            if block.id not in conversation.ambiguous:
+                conversation.carrier[block.id] = (turn, _fingerprint(block))
+
     def forget_turn(self, conversation_id: str, turn: int) -> int:
         """A turn never reached the model: blocks it carried are no longer seen.
 

@@ -14,7 +14,6 @@ import gc
 import itertools
 import secrets
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
-from .annotations import DEFAULT_TEMPLATES, Templates, parse_order_annotation
+from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
@@ -31,7 +30,7 @@ from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
 
-__all__ = ["BatchRequest", "ContextPilot", "PilotStats", "find_prepared", "prepared_by_id"]
+__all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
 
 class PilotStats(BaseModel):
@@ -57,6 +56,9 @@ class PilotStats(BaseModel):
     engine_cached_tokens: int = 0
     feedback_shortened: int = 0
     """Requests shortened because the engine reported less cached than predicted."""
+    references_restored: int = 0
+    """Location references sent as full text after all, because the messages that left for
+    the engine did not carry the text they pointed to (see :meth:`ContextPilot.note_restored`)."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -97,6 +99,7 @@ class _Counters:
     engine_prompt_tokens: int = 0
     engine_cached_tokens: int = 0
     feedback_shortened: int = 0
+    references_restored: int = 0
 
 
 class ContextPilot:
@@ -140,9 +143,6 @@ class ContextPilot:
         self._usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
         self._orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self._reserved: set[str] = set()  # ids of a batch being planned
-        self._recent: OrderedDict[str, PreparedRequest] = OrderedDict()  # for find_prepared()
-        self._by_ranking: dict[tuple[str, ...], str] = {}  # labels in the retriever's order -> id
-        _PILOTS.add(self)
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
@@ -267,7 +267,6 @@ class ContextPilot:
             annotate_order=self.annotate_order,
             templates=self.templates,
         )
-        self._remember(prepared)
         return prepared
 
     # ---- a batch ------------------------------------------------------------------------
@@ -447,16 +446,20 @@ class ContextPilot:
                 while len(self._usage) > self._conversations.max_conversations:
                     self._usage.popitem(last=False)
 
-    def adopt(self, prepared: PreparedRequest) -> PreparedRequest:
+    def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
         """A request prepared elsewhere (another engine's pilot) is sent to this pilot's
-        engine after all (failover): record its send order here, as the engine will hold it.
+        engine after all (failover), or sent again after a failed call was discarded (a
+        retry): record its send order here, as the engine will hold it.
+
+        Args:
+            fresh_id: give it a new request id (a retry must not reuse the failed call's id).
 
         Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
         """
         order = [block.id for block in prepared.blocks]
         with self._lock:
             rid = prepared.request_id
-            if rid in self._live or rid in self._reserved:
+            if fresh_id or rid in self._live or rid in self._reserved:
                 rid = self._new_request_id(None)
             cached = 0
             if not prepared.turn:
@@ -470,7 +473,6 @@ class ContextPilot:
                 cached_blocks=cached,
                 cached_tokens=sum(block.token_count for block in prepared.blocks[:cached]),
             )
-            self._remember(adopted)
             return adopted
 
     def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
@@ -559,42 +561,17 @@ class ContextPilot:
         with self._lock:
             return list(self._trie.iter_nodes())
 
-    # ---- finding the request behind a prompt (framework adapters) ----------------------
-    def prepared_request(self, request_id: str) -> PreparedRequest | None:
-        """A recently prepared request by its id (the last ``RECENT`` are kept)."""
+    def note_restored(self, prepared: PreparedRequest, block_ids: Collection[str]) -> None:
+        """These references of ``prepared`` went out as full text after all (the messages
+        sent did not carry what they pointed to): count them, and in a conversation let
+        later turns refer to this turn for them."""
+        restored = [reference.block for reference in prepared.references if reference.block.id in set(block_ids)]
+        if not restored:
+            return
         with self._lock:
-            return self._recent.get(request_id)
-
-    def find_prepared(self, text: str) -> PreparedRequest | None:
-        """The most recent prepared request whose order annotation appears in ``text``.
-
-        A framework's LLM call sees only the prompt: this is how it finds the request id
-        to send and where to report the engine's cached tokens. Needs the annotation
-        (``annotate_order=True``, the default).
-        """
-        head, _, tail = self.templates.order.partition("{order}")
-        found = None
-        start = text.find(head) if head else -1
-        while start != -1:
-            end = text.find(tail, start + len(head)) if tail else len(text)
-            if end == -1:
-                break
-            labels = tuple(parse_order_annotation(text[start : end + len(tail)], self.templates))
-            with self._lock:
-                rid = self._by_ranking.get(labels)
-                found = self._recent.get(rid) if rid is not None else found
-            start = text.find(head, end)
-        return found
-
-    def _remember(self, prepared: PreparedRequest) -> None:
-        recent = self._recent
-        recent[prepared.request_id] = prepared
-        self._by_ranking[tuple(block.label for block in prepared.ranking)] = prepared.request_id
-        while len(recent) > RECENT:
-            _, old = recent.popitem(last=False)
-            key = tuple(block.label for block in old.ranking)
-            if self._by_ranking.get(key) == old.request_id:
-                del self._by_ranking[key]
+            self._counters.references_restored += len(restored)
+            if prepared.conversation_id is not None and prepared.turn is not None:
+                self._conversations.carry(prepared.conversation_id, prepared.turn, restored)
 
     def live_request_ids(self) -> list[str]:
         """Ids of the requests the index holds, oldest first."""
@@ -622,6 +599,7 @@ class ContextPilot:
                 engine_prompt_tokens=c.engine_prompt_tokens,
                 engine_cached_tokens=c.engine_cached_tokens,
                 feedback_shortened=c.feedback_shortened,
+                references_restored=c.references_restored,
             )
 
     def check(self) -> None:
@@ -661,29 +639,6 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-_PILOTS: weakref.WeakSet[ContextPilot] = weakref.WeakSet()
-RECENT = 4_096
-"""Prepared requests kept for :meth:`ContextPilot.find_prepared` (per pilot)."""
-
-
-def find_prepared(text: str) -> tuple[ContextPilot, PreparedRequest] | None:
-    """The pilot and prepared request behind a prompt, searching every live pilot."""
-    for pilot in list(_PILOTS):
-        prepared = pilot.find_prepared(text)
-        if prepared is not None:
-            return pilot, prepared
-    return None
-
-
-def prepared_by_id(request_id: str) -> tuple[ContextPilot, PreparedRequest] | None:
-    """The pilot and recently prepared request with this id, searching every live pilot."""
-    for pilot in list(_PILOTS):
-        prepared = pilot.prepared_request(request_id)
-        if prepared is not None:
-            return pilot, prepared
-    return None
 
 
 _COMMIT_STEP = 64

@@ -53,8 +53,13 @@ class PreparedRequest:
 
     @property
     def order_annotation(self) -> str:
-        """The retriever's ranking restated by label; empty when disabled or no blocks."""
+        """The retriever's ranking restated by label; empty when disabled, or when the model
+        reads the blocks in the retriever's order anyway (a prompt without ContextPilot
+        carries no annotation, so neither does one ContextPilot did not reorder)."""
         if not self.annotate_order or not self.ranking:
+            return ""
+        read = [block.id for block in self.blocks] + [reference.block.id for reference in self.references]
+        if read == [block.id for block in self.ranking]:
             return ""
         return render_order(self.ranking, self.templates)
 

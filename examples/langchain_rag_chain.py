@@ -9,9 +9,11 @@ Needs: pip install langchain-contextpilot rank-bm25 (from a clone: pip install .
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
@@ -19,7 +21,7 @@ from rank_bm25 import BM25Okapi
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, format_documents
+from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, ConversationalRAG, format_documents
 
 chunks = list(load_multihop_rag().chunks.values())
 index = BM25Okapi([chunk.text.lower().split() for chunk in chunks])
@@ -48,16 +50,37 @@ questions = [
     "Which crypto exchange founder was accused by prosecutors of fraud?",
 ]
 url = os.environ.get("CONTEXTPILOT_ENGINE_URL")
-if url:
-    llm = ChatSGLang(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), base_url=url + "/v1", max_tokens=64)
-    chain = inputs | prompt | llm
-    for n, question in enumerate(questions):
-        answer = chain.invoke(question, config={"configurable": {"thread_id": "demo"}})
-        cached = (answer.usage_metadata or {}).get("input_token_details", {}).get("cache_read")
-        print(f"turn {n}: cached prompt tokens {cached}; answer: {answer.content[:200]!r}")
-else:
-    chain = inputs | prompt
-    for n, question in enumerate(questions):
-        text = chain.invoke(question, config={"configurable": {"thread_id": "demo"}}).to_string()
-        print(f"--- turn {n} prompt (first 300 and last 400 characters) ---\n{text[:300]}\n...\n{text[-400:]}\n")
+sent: list[list[BaseMessage]] = []
+
+
+def offline(messages: Any) -> AIMessage:
+    """Stands in for the model without a server: keeps the prompt, answers nothing."""
+    sent.append(messages.to_messages() if hasattr(messages, "to_messages") else list(messages))
+    return AIMessage("(no server: this is where the answer goes)")
+
+
+llm: Any = (
+    ChatSGLang(model=os.environ.get("CONTEXTPILOT_MODEL", "default"), base_url=url + "/v1", max_tokens=64)
+    if url
+    else RunnableLambda(offline)
+)
+
+# 1. one-shot questions from two users: the second is sent in the first one's order (a shared
+#    prefix), with the retriever's ranking restated after the documents
+chain = inputs | prompt | llm
+for n, question in enumerate(questions):
+    answer = chain.invoke(question, config={"configurable": {"thread_id": f"user-{n}"}})
+    cached = (getattr(answer, "usage_metadata", None) or {}).get("input_token_details", {}).get("cache_read")
+    text = sent[-1][-1].content if sent else ""
+    print(f"question {n}: cached prompt tokens {cached}; prompt ends with: {str(text)[-400:]!r}")
+
+# 2. a conversation: the history is in the messages, so documents already shown become references
+rag = ConversationalRAG(retriever=BM25Retriever(), llm=llm, pilot=pilot)
+for turn, question in enumerate([questions[0], questions[0] + " What was the verdict?"]):
+    answer = rag.invoke(question, config={"configurable": {"thread_id": "demo"}})
+    cached = (getattr(answer, "usage_metadata", None) or {}).get("input_token_details", {}).get("cache_read")
+    user = rag.history("demo")[-1][1]
+    print(f"turn {turn}: cached prompt tokens {cached}; {user.count('Please refer to [Doc_')} location references")
+    if turn:
+        print(user[:400])
 print(pilot.stats())

@@ -1,5 +1,5 @@
-"""The public API is pinned, the core imports no framework, and old import paths still work
-for one release, with a DeprecationWarning."""
+"""The public API is pinned, the core imports no framework, and the pre-release import paths
+are gone."""
 
 from __future__ import annotations
 
@@ -47,15 +47,13 @@ def test_the_core_and_engines_import_no_framework() -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "name", "new"),
+    "old",
     [
-        ("contextpilot_integrations.backends", "OpenAICompatClient", "contextpilot_integrations.engines"),
-        ("contextpilot_integrations.langchain", "ContextPilotRetriever", "langchain_contextpilot"),
-        ("contextpilot_integrations.llamaindex", "ContextPilotChatEngine", "llama_index.postprocessor.contextpilot"),
+        "contextpilot_integrations.backends",
+        "contextpilot_integrations.langchain",
+        "contextpilot_integrations.llamaindex",
     ],
 )
-def test_old_paths_warn_and_re_export(old: str, name: str, new: str) -> None:
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        module = importlib.import_module(old)
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+def test_pre_release_paths_are_gone(old: str) -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)

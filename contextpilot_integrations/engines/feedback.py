@@ -15,17 +15,15 @@ Used by :class:`~.client.OpenAICompatClient` and the framework adapters alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from ..annotations import render_block
-from ..pilot import ContextPilot, find_prepared, prepared_by_id
+from ..binding import Binding
+from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 
 __all__ = [
     "Binding",
     "EventTracker",
-    "bind_prompt",
     "cached_blocks_from_usage",
     "estimate_prompt_tokens",
     "report_failed",
@@ -109,36 +107,3 @@ def report_failed(pilot: ContextPilot | None, prepared: PreparedRequest, tracker
         tracker.forget(prepared.request_id)
     if pilot is not None:
         pilot.discard(prepared)
-
-
-@dataclass(frozen=True, slots=True)
-class Binding:
-    """The prepared request behind an LLM call, and where its engine report goes."""
-
-    pilot: ContextPilot
-    prepared: PreparedRequest
-    before_tokens: int
-    """Our estimate of the prompt tokens before its first block (system prompt, history)."""
-
-
-def bind_prompt(text: str, request_id: str | None = None, pilot: ContextPilot | None = None) -> Binding | None:
-    """Find the prepared request behind a prompt a framework is about to send: the one with
-    ``request_id``, else the most recent one whose order annotation ``text`` contains;
-    searched in ``pilot``, or in every live pilot."""
-    found: tuple[ContextPilot, PreparedRequest] | None
-    if request_id:
-        if pilot is not None:
-            prepared = pilot.prepared_request(request_id)
-            found = (pilot, prepared) if prepared is not None else None
-        else:
-            found = prepared_by_id(request_id)
-    elif pilot is not None:
-        prepared = pilot.find_prepared(text)
-        found = (pilot, prepared) if prepared is not None else None
-    else:
-        found = find_prepared(text)
-    if found is None:
-        return None
-    owner, prepared = found
-    first = text.find(render_block(prepared.blocks[0], prepared.templates)) if prepared.blocks else -1
-    return Binding(owner, prepared, estimate_prompt_tokens(text[: max(first, 0)]))

@@ -4,10 +4,15 @@
 - :class:`ContextPilotCompressor` (alias ``ContextPilotPostprocessor``) does the same as a
   document compressor, and :func:`contextpilot_reorder` as an LCEL step;
 - :func:`format_documents` renders them (blocks, location references, order annotation);
-- :class:`ChatSGLang` is ``ChatOpenAI`` that sends ContextPilot's request id and reports the
-  server's cached tokens;
-- :class:`ConversationalRAG` is multi-turn RAG with memory, where documents already shown
-  become location references.
+- :class:`ContextPilotChatModel` wraps any chat model (``ChatOpenAI``, ``ChatAnthropic``, ...):
+  it sends the request prepared earlier in the same invocation (found through LangChain's
+  run tree, never by searching the prompt) and reports the provider's cached tokens;
+  :class:`ChatSGLang` is ``ChatOpenAI`` preset for SGLang and other OpenAI-compatible engines;
+- :class:`ConversationalRAG` is multi-turn RAG with memory (a Runnable), where documents
+  already shown become location references to the history it sends.
+
+Components that never see the prompt (retriever, compressor, LCEL step) send every document
+in full; where messages leave for the engine, a reference whose text is missing is put back.
 
 The method is ContextPilot (MLSys 2026); the framework-free core is
 ``contextpilot-integrations``.
@@ -15,8 +20,9 @@ The method is ContextPilot (MLSys 2026); the framework-free core is
 
 from importlib import metadata
 
+from ._binding import ContextPilotBindingWarning
 from ._documents import conversation_id_from_config
-from .chat_models import ChatSGLang
+from .chat_models import ChatSGLang, ContextPilotChatModel
 from .compressors import ContextPilotCompressor, ContextPilotPostprocessor, contextpilot_reorder
 from .conversational import ConversationalRAG
 from .formatting import format_documents, format_documents_runnable
@@ -29,6 +35,8 @@ except metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "ChatSGLang",
+    "ContextPilotBindingWarning",
+    "ContextPilotChatModel",
     "ContextPilotCompressor",
     "ContextPilotPostprocessor",
     "ContextPilotRetriever",

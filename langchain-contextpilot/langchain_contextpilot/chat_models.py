@@ -1,39 +1,261 @@
-"""A chat model for SGLang and other OpenAI-compatible servers with a prefix cache."""
+"""Chat models that send ContextPilot's prepared request and report what the engine cached.
+
+:class:`ContextPilotChatModel` wraps the chat model you already use (``ChatOpenAI``,
+``ChatAnthropic``, ``ChatBedrockConverse``, ``ChatGoogleGenerativeAI``, ...);
+:class:`ChatSGLang` is ``ChatOpenAI`` preset for SGLang and other OpenAI-compatible engines
+(request id, prompt token ids for KV events, routing across replicas).
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig, ensure_config
-from langchain_core.runnables.config import merge_configs
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
-from contextpilot_integrations import ContextPilot, PreparedRequest
+from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.feedback import Binding, bind_prompt, report_failed, report_served
 from contextpilot_integrations.errors import EngineError
 
-__all__ = ["ChatSGLang"]
+from . import _binding, _model_calls
+from ._model_calls import BINDING_KWARG, PROMPT_IDS_KEY
 
-REQUEST_ID_KEY = "contextpilot_request_id"
-PROMPT_IDS_KEY = "prompt_token_ids"
+__all__ = ["ChatSGLang", "ContextPilotChatModel"]
+
+_SENDING: ContextVar[bool] = ContextVar("contextpilot_sending", default=False)
+"""Inside a call already bound (a provider's ``_generate`` that streams through ``_stream``)."""
 
 
-class ChatSGLang(ChatOpenAI):
-    """``ChatOpenAI`` for SGLang (and other OpenAI-compatible servers with a prefix cache).
+class _SendsPreparedRequests:
+    """The calls of a chat model that sends the invocation's prepared request.
 
-    Each call sends the request id of the ContextPilot request that produced its context:
-    the one named in the run config (``metadata["contextpilot_request_id"]``), else the
-    most recent prepared request whose order annotation the prompt contains (what
-    ``format_documents`` renders), else a fresh one. The id goes out as ``rid`` and
-    ``session_id`` (``engine="vllm"``: ``request_id``). After the answer, the server's token
-    counts go back to that request's pilot (``pilot.stats()``, per conversation), and:
+    Subclasses say how to reach the provider (:meth:`_send` and its stream/async forms)."""
+
+    engine: str | None
+    event_sink: Any
+    usage_feedback: bool | None
+
+    # provided by the subclass -------------------------------------------------------------
+    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
+        raise NotImplementedError
+
+    async def _asend(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> ChatResult:
+        raise NotImplementedError
+
+    def _send_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Iterator[ChatGenerationChunk]:
+        raise NotImplementedError
+
+    def _asend_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        raise NotImplementedError
+
+    def _provider_extra_body(self) -> dict[str, Any] | None:
+        return None
+
+    # the calls ------------------------------------------------------------------------------
+    def _before(
+        self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
+    ) -> tuple[Binding | None, list[BaseMessage], dict[str, Any]]:
+        binding, sent = _model_calls.bind(run_manager, kwargs, messages)
+        kwargs = _model_calls.with_ids(
+            self.engine, binding, kwargs, self._provider_extra_body(), self.event_sink is not None
+        )
+        return binding, sent, kwargs
+
+    def _after(self, binding: Binding | None, message: Any) -> None:
+        feedback = self.event_sink is None if self.usage_feedback is None else self.usage_feedback
+        _model_calls.report(binding, message, usage_feedback=feedback, tracker=self.event_sink)
+
+    def _failure(self, run_manager: Any, binding: Binding | None, exc: BaseException) -> BaseException:
+        _model_calls.failed(run_manager, binding, self.event_sink)
+        return _model_calls.typed(exc, type(self).__name__)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        sending = _SENDING.set(True)
+        try:
+            result = self._send(messages, stop, run_manager, **kwargs)
+        except Exception as exc:
+            _reraise(self._failure(run_manager, binding, exc), exc)
+        finally:
+            _SENDING.reset(sending)
+        self._after(binding, result.generations[0].message if result.generations else None)
+        return result
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        sending = _SENDING.set(True)
+        try:
+            result = await self._asend(messages, stop, run_manager, **kwargs)
+        except BaseException as exc:  # cancelled too: the request may never have left
+            _reraise(self._failure(run_manager, binding, exc), exc)
+        finally:
+            _SENDING.reset(sending)
+        self._after(binding, result.generations[0].message if result.generations else None)
+        return result
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        if _SENDING.get():  # streamed by our own _generate: bound there
+            yield from self._send_stream(messages, stop, run_manager, **kwargs)
+            return
+        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        merged = None
+        try:
+            for chunk in self._send_stream(messages, stop, run_manager, **kwargs):
+                merged = chunk.message if merged is None else merged + chunk.message
+                yield chunk
+        except GeneratorExit:  # the reader stopped early: the request was served
+            raise
+        except Exception as exc:
+            _reraise(self._failure(run_manager, binding, exc), exc)
+        self._after(binding, merged)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        if _SENDING.get():
+            async for chunk in self._asend_stream(messages, stop, run_manager, **kwargs):
+                yield chunk
+            return
+        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        merged = None
+        try:
+            async for chunk in self._asend_stream(messages, stop, run_manager, **kwargs):
+                merged = chunk.message if merged is None else merged + chunk.message
+                yield chunk
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            _reraise(self._failure(run_manager, binding, exc), exc)
+        self._after(binding, merged)
+
+
+def _reraise(error: BaseException, original: BaseException) -> Any:
+    if error is original:
+        raise original
+    raise error from original
+
+
+class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
+    """Any LangChain chat model, sending the prepared request of its invocation.
+
+    ``ContextPilotChatModel(llm=ChatOpenAI(...))`` (or ``ChatAnthropic``,
+    ``ChatBedrockConverse``, ``ChatGoogleGenerativeAI``, ...) in the place of the model:
+
+    - it takes the request that ContextPilot prepared earlier in the same invocation (the
+      retriever, compressor or LCEL step of this package), through LangChain's run tree;
+    - a location reference whose text is not in the messages sent is replaced by that text
+      (counted in ``pilot.stats().references_restored``): a dangling reference never leaves;
+    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm``) the request id
+      goes out in the body (``rid`` / ``request_id``);
+    - the provider's cached-token report (``usage_metadata["input_token_details"]
+      ["cache_read"]``) goes back to the request's pilot, and a failed call makes the
+      pilot forget the request (a retry takes it again, under a new id).
+
+    Tools and structured output work as on the wrapped model (``bind_tools``).
+    """
+
+    llm: BaseChatModel
+    """The chat model that talks to the provider."""
+    engine: str | None = None
+    """``sglang``, ``vllm``: which body fields carry the request id (``None``: none, e.g. a
+    hosted API)."""
+    event_sink: Any = Field(default=None, exclude=True)
+    usage_feedback: bool | None = None
+    """Report cached-token shortfalls to the index (default: on)."""
+
+    @model_validator(mode="after")
+    def _engine_needs_a_body(self) -> ContextPilotChatModel:
+        if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "extra_body"):
+            raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
+        if self.engine is not None and self.engine not in wire.REQUEST_ID_FIELDS:
+            raise ValueError(f"engine must be one of {sorted(wire.REQUEST_ID_FIELDS)} or None, got {self.engine!r}")
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return f"contextpilot-{self.llm._llm_type}"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"llm": self.llm._identifying_params, "engine": self.engine}
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable[Any, Any]:
+        """The wrapped model's tool binding, kept on this model (it passes them through)."""
+        bound = self.llm.bind_tools(tools, **kwargs)
+        return self.bind(**getattr(bound, "kwargs", {}))
+
+    def _provider_extra_body(self) -> dict[str, Any] | None:
+        return getattr(self.llm, "extra_body", None)
+
+    def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Ask for usage in streams where the model takes ``stream_usage``."""
+        if "stream_usage" in inspect.signature(self.llm._stream).parameters:
+            return {"stream_usage": True, **kwargs}
+        return kwargs
+
+    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
+        return self.llm._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
+
+    async def _asend(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> ChatResult:
+        return await self.llm._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
+
+    def _send_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Iterator[ChatGenerationChunk]:
+        return self.llm._stream(messages, stop=stop, run_manager=run_manager, **self._stream_kwargs(kwargs))
+
+    def _asend_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        return self.llm._astream(messages, stop=stop, run_manager=run_manager, **self._stream_kwargs(kwargs))
+
+
+class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
+    """``ChatOpenAI`` preset for SGLang (and other OpenAI-compatible servers with a prefix cache).
+
+    Each call sends the request that ContextPilot prepared earlier in the same invocation
+    (taken through LangChain's run tree, as :class:`ContextPilotChatModel` does), as ``rid``
+    and ``session_id`` (``engine="vllm"``: ``request_id``; a call with none gets a fresh
+    id). After the answer, the server's token counts go back to that request's pilot, and:
 
     - with ``event_sink`` (a listener's ``.sink``, or the sink a ZMQ subscriber feeds), the
       prompt's token ids, so the engine's KV events can be mapped to the request;
@@ -47,13 +269,11 @@ class ChatSGLang(ChatOpenAI):
     """
 
     stream_usage: bool | None = True
-    pilot: ContextPilot | None = Field(default=None, exclude=True)
-    """The pilot to search first (default: every pilot in the process)."""
     event_sink: Any = Field(default=None, exclude=True)
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
-    engine: str = "sglang"
+    engine: str | None = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
     router: Any = Field(default=None, exclude=True)
     """An ``engines.Router``: each call goes to the target whose cache the prepared request
@@ -72,56 +292,28 @@ class ChatSGLang(ChatOpenAI):
     def is_lc_serializable(cls) -> bool:
         return False
 
-    # ---- the request id and the prepared request behind a call ---------------------------
-    def _bind(self, input: Any, config: RunnableConfig | None) -> Binding | None:
-        config = ensure_config(config)
-        rid = (config.get("metadata") or {}).get(REQUEST_ID_KEY) or (config.get("configurable") or {}).get(
-            REQUEST_ID_KEY
-        )
-        text = "\n".join(m.content for m in self._messages(input) if isinstance(m.content, str))
-        return bind_prompt(text, str(rid) if rid else None, self.pilot)
+    def _provider_extra_body(self) -> dict[str, Any] | None:
+        return dict(self.extra_body or {})
 
-    def _messages(self, input: Any) -> list[BaseMessage]:
-        try:
-            return self._convert_input(input).to_messages()
-        except (TypeError, ValueError):
-            return []
+    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
+        return ChatOpenAI._generate(self, messages, stop=stop, run_manager=run_manager, **kwargs)
 
-    def _with_rid(
-        self, config: RunnableConfig | None, kwargs: dict[str, Any], binding: Binding | None = None
-    ) -> dict[str, Any]:
-        config = ensure_config(config)
-        rid = binding.prepared.request_id if binding else None
-        rid = rid or (config.get("metadata") or {}).get(REQUEST_ID_KEY) or f"cp-{uuid.uuid4().hex}"
-        extra = {**(self.extra_body or {}), **(kwargs.get("extra_body") or {})}
-        for name in wire.REQUEST_ID_FIELDS.get(self.engine, ()):
-            extra[name] = str(rid)
-        if self.event_sink is not None:
-            extra.update(wire.PROMPT_IDS_REQUEST.get(self.engine, {}))
-        return {**kwargs, "extra_body": extra}
+    async def _asend(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> ChatResult:
+        return await ChatOpenAI._agenerate(self, messages, stop=stop, run_manager=run_manager, **kwargs)
 
-    # ---- the engine's report -----------------------------------------------------------------
-    def _report(self, binding: Binding | None, message: Any) -> None:
-        if binding is None:
-            return
-        usage = getattr(message, "usage_metadata", None) or {}
-        cached = (usage.get("input_token_details") or {}).get("cache_read")
-        ids = (getattr(message, "response_metadata", None) or {}).get(PROMPT_IDS_KEY)
-        report_served(
-            binding.pilot,
-            binding.prepared,
-            usage.get("input_tokens"),
-            cached,
-            before_tokens=binding.before_tokens,
-            usage_feedback=self.event_sink is None if self.usage_feedback is None else self.usage_feedback,
-            tracker=self.event_sink,
-            input_ids=ids,
-        )
+    def _send_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Iterator[ChatGenerationChunk]:
+        return ChatOpenAI._stream(self, messages, stop=stop, run_manager=run_manager, **kwargs)
 
-    def _failed(self, binding: Binding | None) -> None:
-        if binding is not None:
-            report_failed(binding.pilot, binding.prepared, self.event_sink)
+    def _asend_stream(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        return ChatOpenAI._astream(self, messages, stop=stop, run_manager=run_manager, **kwargs)
 
+    # ---- the prompt's token ids (for KV-event mapping) ------------------------------------------
     def _create_chat_result(self, response: Any, generation_info: dict[str, Any] | None = None) -> ChatResult:
         result = super()._create_chat_result(response, generation_info)
         ids = _prompt_ids(response if isinstance(response, dict) else response.model_dump())
@@ -149,99 +341,68 @@ class ChatSGLang(ChatOpenAI):
             if target.slot is not None:
                 extra["id_slot"] = target.slot
             settings.update(extra_body=extra, engine=target.engine, base_url=target.base_url.rstrip("/") + "/v1")
-            settings["pilot"] = self.router.pilot(target)  # it reports to that target's state
             delegates[target.name] = type(self)(**settings)
         return delegates[target.name]
 
-    def _route(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
-        return self.router.call(self._bind(input, config), self._sender(config, call))
+    def _routed(
+        self, config: RunnableConfig | None, call: Callable[[ChatSGLang, dict[str, Any]], Any]
+    ) -> tuple[Binding | None, Callable[[Any, Any], Any]]:
+        """The invocation's request, and a sender that hands it to the target's delegate as
+        that target's state knows it (adopted there after a failover)."""
+        binding = _binding.take(ensure_config(config).get("callbacks"))
 
-    async def _aroute(self, input: Any, config: RunnableConfig | None, call: Any) -> Any:
-        return await self.router.acall(self._bind(input, config), self._sender(config, call))
+        def send(target: Any, prepared: Any) -> Any:
+            named = {BINDING_KWARG: Binding(self.router.pilot(target), prepared)} if prepared is not None else {}
+            return call(self._delegate(target), named)
 
-    def _sender(self, config: RunnableConfig | None, call: Any) -> Any:
-        """Send through the target's delegate, naming the request (in the run's metadata) as
-        that target's state knows it, so the delegate binds it by id."""
+        return binding, send
 
-        def send(target: Any, prepared: PreparedRequest | None) -> Any:
-            named = RunnableConfig(metadata={REQUEST_ID_KEY: prepared.request_id}) if prepared is not None else None
-            return call(self._delegate(target), merge_configs(config, named))
-
-        return send
-
-    # ---- every call style -------------------------------------------------------------------
     def invoke(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
-        if self.router is not None:
-            return self._route(
-                input, config, lambda model, run_config: model.invoke(input, run_config, stop=stop, **kwargs)
-            )
-        binding = self._bind(input, config)
-        try:
-            message = super().invoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
-        except BaseException:
-            self._failed(binding)
-            raise
-        self._report(binding, message)
-        return message
+        if self.router is None:
+            return super().invoke(input, config, stop=stop, **kwargs)
+        binding, send = self._routed(
+            config, lambda model, named: model.invoke(input, config, stop=stop, **kwargs, **named)
+        )
+        return self.router.call(binding, send)
 
     async def ainvoke(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Any:
-        if self.router is not None:
-            return await self._aroute(
-                input, config, lambda model, run_config: model.ainvoke(input, run_config, stop=stop, **kwargs)
-            )
-        binding = self._bind(input, config)
-        try:
-            message = await super().ainvoke(input, config, stop=stop, **self._with_rid(config, kwargs, binding))
-        except BaseException:
-            self._failed(binding)
-            raise
-        self._report(binding, message)
-        return message
+        if self.router is None:
+            return await super().ainvoke(input, config, stop=stop, **kwargs)
+        binding, send = self._routed(
+            config, lambda model, named: model.ainvoke(input, config, stop=stop, **kwargs, **named)
+        )
+        return await self.router.acall(binding, send)
 
     def stream(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> Iterator[Any]:
-        if self.router is not None:  # routed; the stream is read whole so that failover can resend
-            yield from self._route(
-                input, config, lambda model, run_config: list(model.stream(input, run_config, stop=stop, **kwargs))
-            )
+        if self.router is None:
+            yield from super().stream(input, config, stop=stop, **kwargs)
             return
-        binding = self._bind(input, config)
-        merged = None
-        try:
-            for chunk in super().stream(input, config, stop=stop, **self._with_rid(config, kwargs, binding)):
-                merged = chunk if merged is None else merged + chunk
-                yield chunk
-        except BaseException:
-            self._failed(binding)
-            raise
-        self._report(binding, merged)
+        # routed: the stream is read whole, so that a failover can send it again
+        binding, send = self._routed(
+            config, lambda model, named: list(model.stream(input, config, stop=stop, **kwargs, **named))
+        )
+        yield from self.router.call(binding, send)
 
     async def astream(
         self, input: Any, config: RunnableConfig | None = None, *, stop: list[str] | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
-        if self.router is not None:
-
-            async def whole(model: ChatSGLang, run_config: RunnableConfig | None) -> list[Any]:
-                return [chunk async for chunk in model.astream(input, run_config, stop=stop, **kwargs)]
-
-            for chunk in await self._aroute(input, config, whole):
+        if self.router is None:
+            async for chunk in super().astream(input, config, stop=stop, **kwargs):
                 yield chunk
             return
-        binding = self._bind(input, config)
-        merged = None
-        try:
-            async for chunk in super().astream(input, config, stop=stop, **self._with_rid(config, kwargs, binding)):
-                merged = chunk if merged is None else merged + chunk
-                yield chunk
-        except BaseException:
-            self._failed(binding)
-            raise
-        self._report(binding, merged)
+
+        async def whole(model: ChatSGLang, named: dict[str, Any]) -> list[Any]:
+            return [chunk async for chunk in model.astream(input, config, stop=stop, **kwargs, **named)]
+
+        binding, send = self._routed(config, whole)
+        for chunk in await self.router.acall(binding, send):
+            yield chunk
 
 
 def _prompt_ids(data: dict[str, Any]) -> list[int] | None:

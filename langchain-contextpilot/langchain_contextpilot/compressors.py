@@ -11,8 +11,9 @@ from langchain_core.runnables import RunnableConfig, RunnableLambda
 from pydantic import ConfigDict, Field
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.batching import aprepare_with, prepare_with
+from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound
 
+from ._binding import deposit
 from ._documents import CONVERSATION_KEYS, EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
 
 __all__ = ["ContextPilotCompressor", "ContextPilotPostprocessor", "contextpilot_reorder"]
@@ -23,10 +24,13 @@ class ContextPilotCompressor(BaseDocumentCompressor):
 
     Use it in ``ContextualCompressionRetriever(base_compressor=..., base_retriever=...)``
     or, through :meth:`as_runnable`, after a retriever in LCEL: ``retriever | c.as_runnable()``.
+    The prepared request travels with the run to the model call of the same invocation
+    (``ContextPilotChatModel``, ``ChatSGLang``).
 
-    The conversation id comes from :attr:`conversation_id`, the run's ``metadata``, or the
-    run's config in context (chains, graphs): ``configurable.conversation_id``,
-    ``thread_id`` or ``session_id``.
+    A compressor never sees the prompt, so by default every document is sent in full. With
+    ``deduplicate=True``, documents shown earlier in the conversation (:attr:`conversation_id`,
+    the run's ``metadata``, or ``configurable.conversation_id`` / ``thread_id`` /
+    ``session_id``) become location references: only for prompts that carry that history.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -35,8 +39,12 @@ class ContextPilotCompressor(BaseDocumentCompressor):
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     conversation_id: str | None = None
     """A fixed conversation; otherwise it is read from the run's metadata/config."""
+    deduplicate: bool = False
+    """Replace documents shown earlier in the conversation by references (see above)."""
 
     def _conversation(self, callbacks: Callbacks) -> str | None:
+        if not self.deduplicate:
+            return None
         if self.conversation_id:
             return self.conversation_id
         metadata = getattr(callbacks, "metadata", None) or {}
@@ -48,35 +56,44 @@ class ContextPilotCompressor(BaseDocumentCompressor):
     def compress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        prepared = prepare_with(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
-        if callbacks is not None:
-            dispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": callbacks})
-        return in_send_order(prepared, documents)
+        binding = prepare_bound(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
+        return self._deliver(binding, documents, callbacks)
 
     async def acompress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        prepared = await aprepare_with(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
+        binding = await aprepare_bound(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
+        deposit(callbacks, getattr(callbacks, "parent_run_id", None), binding)
         if callbacks is not None:
-            await adispatch_custom_event(EVENT_NAME, event_data(prepared), config={"callbacks": callbacks})
-        return in_send_order(prepared, documents)
+            await adispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config={"callbacks": callbacks})
+        return in_send_order(binding.prepared, documents)
+
+    @staticmethod
+    def _deliver(binding: Binding, documents: Sequence[Document], callbacks: Callbacks | None) -> list[Document]:
+        """Leave the request with the run (the compressor has none of its own: its parent's)."""
+        deposit(callbacks, getattr(callbacks, "parent_run_id", None), binding)
+        if callbacks is not None:
+            dispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config={"callbacks": callbacks})
+        return in_send_order(binding.prepared, documents)
 
     def as_runnable(self) -> RunnableLambda[Any, list[Document]]:
         """An LCEL step taking ``list[Document]`` or ``{"documents": [...], "question": str}``."""
 
+        def conversation(config: RunnableConfig) -> str | None:
+            return (self.conversation_id or conversation_id_from_config(config)) if self.deduplicate else None
+
         def reorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
-            conversation = self.conversation_id or conversation_id_from_config(config)
-            prepared = prepare_with(self.pilot, to_blocks(documents), query, conversation)
-            dispatch_custom_event(EVENT_NAME, event_data(prepared), config=config)
-            return in_send_order(prepared, documents)
+            binding = prepare_bound(self.pilot, to_blocks(documents), query, conversation(config))
+            return self._deliver(binding, documents, config.get("callbacks"))
 
         async def areorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
-            conversation = self.conversation_id or conversation_id_from_config(config)
-            prepared = await aprepare_with(self.pilot, to_blocks(documents), query, conversation)
-            await adispatch_custom_event(EVENT_NAME, event_data(prepared), config=config)
-            return in_send_order(prepared, documents)
+            binding = await aprepare_bound(self.pilot, to_blocks(documents), query, conversation(config))
+            callbacks = config.get("callbacks")
+            deposit(callbacks, getattr(callbacks, "parent_run_id", None), binding)
+            await adispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config=config)
+            return in_send_order(binding.prepared, documents)
 
         return RunnableLambda(reorder, afunc=areorder, name="contextpilot_reorder")
 
@@ -93,7 +110,10 @@ def _documents_and_query(value: Any) -> tuple[list[Document], str]:
 
 
 def contextpilot_reorder(
-    pilot: ContextPilot | None = None, conversation_id: str | None = None
+    pilot: ContextPilot | None = None, conversation_id: str | None = None, *, deduplicate: bool = False
 ) -> RunnableLambda[Any, list[Document]]:
     """The LCEL step ``retriever | contextpilot_reorder(pilot)``: documents in send order."""
-    return ContextPilotCompressor(pilot=pilot or ContextPilot(), conversation_id=conversation_id).as_runnable()
+    compressor = ContextPilotCompressor(
+        pilot=pilot or ContextPilot(), conversation_id=conversation_id, deduplicate=deduplicate
+    )
+    return compressor.as_runnable()

@@ -3,106 +3,255 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.retrievers import RetrieverLike
-from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables.config import patch_config
+from pydantic import ConfigDict, Field, PrivateAttr
 
-from contextpilot_integrations import ContextPilot, PreparedRequest
+from contextpilot_integrations import BlockTypeError, ContextPilot, PreparedRequest
+from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound, resolve_references
 
+from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks
 
 __all__ = ["ConversationalRAG"]
 
+_Turns = OrderedDict[int, tuple[str, str, PreparedRequest]]  # turn -> (user message, answer, its request)
 
-class ConversationalRAG:
-    """Multi-turn RAG with memory: documents already shown in the conversation become
-    location references, as long as the turn that showed them is still in the history.
 
-    Each turn's user message (its context and question) and the answer stay in the
-    conversation's history, which is a prefix the engine caches; the last ``max_turns``
-    turns are sent, and a document whose turn fell out of that window is sent again.
+class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
+    """Multi-turn RAG with memory, as a Runnable: documents already shown in the
+    conversation become location references, while the turn that showed them is in the
+    messages sent.
+
+    Input: the question, or ``{"question": ..., "history": [messages]}`` when the caller
+    keeps the history (``RunnableWithMessageHistory(rag, ..., input_messages_key=
+    "question", history_messages_key="history")``). Output: the model's ``AIMessage``.
+    ``invoke``, ``ainvoke``, ``stream``, ``astream`` and ``batch`` all work, and it pipes.
+
+    The conversation is the run config's ``configurable.conversation_id``, ``thread_id``
+    or ``session_id``; without one, each call is a conversation of its own (nothing shared
+    between callers). Without a caller's history, it keeps each conversation's last
+    ``max_turns`` turns (user message with its context, and answer) and sends them; at most
+    ``max_conversations`` conversations, each forgotten after ``conversation_ttl`` idle
+    seconds. A reference is only made to a turn whose user message is in the history sent.
 
     Args:
-        retriever: any LangChain retriever (its documents, best first).
-        llm: a chat model (``ChatSGLang`` reports cached tokens and sends the request id).
-        pilot: the shared :class:`ContextPilot`.
-        system_prompt: the first message of every call.
-        max_turns: earlier turns kept in the messages sent.
+        retriever: any LangChain retriever (best first); not a ``ContextPilotRetriever``:
+            this component prepares the request itself.
+        llm: a chat model; ``ContextPilotChatModel`` or ``ChatSGLang`` send the prepared
+            request's id and report the engine's cached tokens.
+        pilot: the shared :class:`ContextPilot` (or a router / micro-batcher).
     """
 
-    def __init__(
-        self,
-        retriever: RetrieverLike,
-        llm: Any,
-        pilot: ContextPilot | None = None,
-        *,
-        system_prompt: str = "Answer the question using the context documents.",
-        max_turns: int = 8,
-    ) -> None:
-        self.retriever = retriever
-        self.llm = llm
-        self.pilot = pilot or ContextPilot()
-        self.system_prompt = system_prompt
-        self.max_turns = max_turns
-        self._turns: dict[str, list[tuple[int, str, str]]] = {}  # conversation -> (turn, user text, answer)
-        self._lock = threading.Lock()
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
+    retriever: RetrieverLike
+    llm: Any
+    pilot: Any = Field(default_factory=ContextPilot)
+    system_prompt: str = "Answer the question using the context documents."
+    max_turns: int = Field(default=8, ge=0)
+    max_conversations: int = Field(default=10_000, ge=1)
+    conversation_ttl: float | None = 3600.0
+
+    _turns: OrderedDict[str, tuple[float, _Turns]] = PrivateAttr(default_factory=OrderedDict)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(
+        self, retriever: RetrieverLike | None = None, llm: Any = None, pilot: Any = None, **kwargs: Any
+    ) -> None:
+        """``ConversationalRAG(retriever, llm, pilot, ...)`` or all by keyword."""
+        given = {
+            name: value
+            for name, value in (("retriever", retriever), ("llm", llm), ("pilot", pilot))
+            if value is not None
+        }
+        super().__init__(**given, **kwargs)
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return False
+
+    # ---- the kept history --------------------------------------------------------------------
     def history(self, conversation_id: str) -> list[tuple[int, str, str]]:
         """(turn, user message, answer) of the turns kept for this conversation."""
         with self._lock:
-            return list(self._turns.get(conversation_id, []))
+            self._expire()
+            _, turns = self._turns.get(conversation_id, (0.0, OrderedDict()))
+            return [(turn, user, answer) for turn, (user, answer, _) in turns.items()]
 
     def reset(self, conversation_id: str) -> None:
+        """Forget a conversation (its kept turns and the pilot's record of what it showed)."""
         with self._lock:
             self._turns.pop(conversation_id, None)
-        self.pilot.end_conversation(conversation_id)
+        ender = getattr(self.pilot, "end_conversation", None)
+        if ender is not None:
+            ender(conversation_id)
 
-    def _messages(self, conversation_id: str, prepared: PreparedRequest, kept: list[tuple[int, str, str]]) -> list[Any]:
-        from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    def _expire(self) -> None:
+        if self.conversation_ttl is not None:
+            horizon = time.monotonic() - self.conversation_ttl
+            while self._turns and next(iter(self._turns.values()))[0] < horizon:
+                self._turns.popitem(last=False)
 
-        messages: list[Any] = [SystemMessage(self.system_prompt)]
-        for _, user, answer in kept:
-            messages += [HumanMessage(user), AIMessage(answer)]
-        messages.append(HumanMessage(prepared.render()))
-        return messages
-
-    def _prepare(
-        self, question: str, config: RunnableConfig | None, documents: list[Document]
-    ) -> tuple[str, PreparedRequest, list[Any]]:
-        conversation_id = conversation_id_from_config(config) or "default"
-        kept = self.history(conversation_id)[-self.max_turns :]
-        prepared = self.pilot.prepare(
-            to_blocks(documents), question, conversation_id, kept_turns={turn for turn, _, _ in kept}
-        )
-        return conversation_id, prepared, self._messages(conversation_id, prepared, kept)
-
-    def _record(self, conversation_id: str, prepared: PreparedRequest, answer: Any) -> None:
+    def _record(self, conversation_id: str | None, binding: Binding, user: str, answer: BaseMessage) -> None:
+        if conversation_id is None or binding.prepared.turn is None:
+            return
         with self._lock:
-            turns = self._turns.setdefault(conversation_id, [])
-            turns.append((prepared.turn or 0, prepared.render(), str(answer.content)))
-            del turns[: -self.max_turns]
+            _, turns = self._turns.pop(conversation_id, (0.0, OrderedDict()))
+            turns[binding.prepared.turn] = (user, _text(answer), binding.prepared)
+            while len(turns) > max(self.max_turns, 1):
+                turns.popitem(last=False)
+            self._turns[conversation_id] = (time.monotonic(), turns)
+            while len(self._turns) > self.max_conversations:
+                self._turns.popitem(last=False)
 
-    def _llm_config(self, config: RunnableConfig | None, prepared: PreparedRequest) -> RunnableConfig:
-        config = ensure_config(config)
-        return {
-            **config,
-            "metadata": {**(config.get("metadata") or {}), "contextpilot_request_id": prepared.request_id},
-        }
+    # ---- one turn ----------------------------------------------------------------------------
+    def _begin(self, input: Any, config: RunnableConfig) -> tuple[str, str | None, list[BaseMessage], set[int] | None]:
+        """The question, the conversation, the history to send and the turns it carries.
 
-    def invoke(self, question: str, config: RunnableConfig | None = None) -> Any:
-        """One turn: retrieve, de-duplicate against the kept history, ask, remember."""
-        documents = self.retriever.invoke(question, config=config)
-        conversation_id, prepared, messages = self._prepare(question, config, documents)
-        answer = self.llm.invoke(messages, config=self._llm_config(config, prepared))
-        self._record(conversation_id, prepared, answer)
-        return answer
+        A kept turn's own references may point at a turn that left the window: those are
+        sent as full text (the history sent never refers to what it does not carry)."""
+        question, given = _question_and_history(input)
+        conversation_id = conversation_id_from_config(config)
+        if conversation_id is None:
+            return question, None, list(given or []), None
+        with self._lock:
+            self._expire()
+            _, turns = self._turns.get(conversation_id, (0.0, OrderedDict()))
+            turns = OrderedDict(turns)
+        if given is None:  # our own memory: the last max_turns turns
+            window = list(turns.items())[-self.max_turns :] if self.max_turns else []
+            history: list[BaseMessage] = []
+            for _, (user, answer, _) in window:
+                history += [HumanMessage(user), AIMessage(answer)]
+            kept = {turn for turn, _ in window}
+        else:
+            history = list(given)
+            shown = {_text(message) for message in given if isinstance(message, HumanMessage)}
+            kept = {turn for turn, (user, _, _) in turns.items() if user in shown}
+        return question, conversation_id, _resolved(history, [turns[turn][2] for turn in sorted(kept)]), kept
 
-    async def ainvoke(self, question: str, config: RunnableConfig | None = None) -> Any:
-        """Async variant of :meth:`invoke`."""
-        documents = await self.retriever.ainvoke(question, config=config)
-        conversation_id, prepared, messages = self._prepare(question, config, documents)
-        answer = await self.llm.ainvoke(messages, config=self._llm_config(config, prepared))
-        self._record(conversation_id, prepared, answer)
-        return answer
+    def _messages(self, binding: Binding, history: list[BaseMessage]) -> tuple[str, list[BaseMessage]]:
+        user = binding.prepared.render()
+        return user, [SystemMessage(self.system_prompt), *history, HumanMessage(user)]
+
+    def _turn(
+        self, input: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig
+    ) -> tuple[str | None, Binding, str, list[BaseMessage], RunnableConfig]:
+        question, conversation_id, history, kept = self._begin(input, config)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        documents = _documents(self.retriever.invoke(question, config=child))
+        binding = prepare_bound(self.pilot, to_blocks(documents), question, conversation_id, kept_turns=kept)
+        deposit(run_manager, run_manager.run_id, binding)
+        return conversation_id, binding, *self._messages(binding, history), child
+
+    async def _aturn(
+        self, input: Any, run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+    ) -> tuple[str | None, Binding, str, list[BaseMessage], RunnableConfig]:
+        question, conversation_id, history, kept = self._begin(input, config)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        documents = _documents(await self.retriever.ainvoke(question, config=child))
+        binding = await aprepare_bound(self.pilot, to_blocks(documents), question, conversation_id, kept_turns=kept)
+        deposit(run_manager, run_manager.run_id, binding)
+        return conversation_id, binding, *self._messages(binding, history), child
+
+    def _invoke(self, input: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig) -> BaseMessage:
+        conversation_id, binding, user, messages, child = self._turn(input, run_manager, config)
+        answer = self.llm.invoke(messages, config=child)
+        self._record(conversation_id, binding, user, answer)
+        return answer  # type: ignore[no-any-return]
+
+    async def _ainvoke(
+        self, input: Any, run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+    ) -> BaseMessage:
+        conversation_id, binding, user, messages, child = await self._aturn(input, run_manager, config)
+        answer = await self.llm.ainvoke(messages, config=child)
+        self._record(conversation_id, binding, user, answer)
+        return answer  # type: ignore[no-any-return]
+
+    def _stream(
+        self, inputs: Iterator[Any], run_manager: CallbackManagerForChainRun, config: RunnableConfig
+    ) -> Iterator[BaseMessage]:
+        for input in inputs:
+            conversation_id, binding, user, messages, child = self._turn(input, run_manager, config)
+            answer: Any = None
+            for chunk in self.llm.stream(messages, config=child):
+                answer = chunk if answer is None else answer + chunk
+                yield chunk
+            self._record(conversation_id, binding, user, answer if answer is not None else AIMessageChunk(content=""))
+
+    async def _astream(
+        self, inputs: AsyncIterator[Any], run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+    ) -> AsyncIterator[BaseMessage]:
+        async for input in inputs:
+            conversation_id, binding, user, messages, child = await self._aturn(input, run_manager, config)
+            answer: Any = None
+            async for chunk in self.llm.astream(messages, config=child):
+                answer = chunk if answer is None else answer + chunk
+                yield chunk
+            self._record(conversation_id, binding, user, answer if answer is not None else AIMessageChunk(content=""))
+
+    # ---- the Runnable interface --------------------------------------------------------------
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> BaseMessage:
+        """One turn: retrieve, de-duplicate against the history sent, ask, remember."""
+        return self._call_with_config(self._invoke, input, config, **kwargs)
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> BaseMessage:
+        return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[BaseMessage]:
+        yield from self._transform_stream_with_config(iter([input]), self._stream, config, **kwargs)
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[BaseMessage]:
+        async def one() -> AsyncIterator[Any]:
+            yield input
+
+        async for chunk in self._atransform_stream_with_config(one(), self._astream, config, **kwargs):
+            yield chunk
+
+
+def _question_and_history(input: Any) -> tuple[str, list[BaseMessage] | None]:
+    if isinstance(input, str):
+        return input, None
+    if isinstance(input, dict):
+        question = input.get("question", input.get("input"))
+        history = input.get("history")
+        if isinstance(question, BaseMessage):
+            question = _text(question)
+        if isinstance(question, str) and (history is None or isinstance(history, Sequence)):
+            return question, None if history is None else list(history)
+    raise BlockTypeError(f"expected a question (str) or {{'question': str, 'history': [messages]}}, got {input!r:.80}")
+
+
+def _resolved(history: list[BaseMessage], requests: list[PreparedRequest]) -> list[BaseMessage]:
+    """The history with every reference whose target it does not carry written out in full."""
+    texts = [_text(message) for message in history]
+    restored = [resolve_references(texts, request.references, request.templates) for request in requests]
+    if not any(restored):
+        return history
+    return [
+        message if _text(message) == text else message.model_copy(update={"content": text})
+        for message, text in zip(history, texts, strict=True)
+    ]
+
+
+def _documents(value: Any) -> list[Document]:
+    return list(value)
+
+
+def _text(message: Any) -> str:
+    content = getattr(message, "content", message)
+    if isinstance(content, str):
+        return content
+    return "".join(part if isinstance(part, str) else str(part.get("text", "")) for part in content)

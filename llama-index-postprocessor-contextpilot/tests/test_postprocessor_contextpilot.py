@@ -31,14 +31,27 @@ class _Events(BaseEventHandler):
             self.events.append(event)
 
 
+class _Reverse(BaseNodePostprocessor):
+    """Another retriever's order: the same nodes, reversed."""
+
+    def _postprocess_nodes(self, nodes: list[Any], query_bundle: Any = None) -> list[Any]:
+        return nodes[::-1]
+
+
 def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
     handler = _Events()
     get_dispatcher().add_event_handler(handler)
     pilot = ContextPilot()
     engine = index.as_query_engine(similarity_top_k=5, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)])
     response = engine.query(QUESTION)
-    text = str(response)  # MockLLM echoes the prompt
+    assert "priority order" not in str(response)  # a fresh pilot keeps the retriever's order: nothing to restate
+    reordering = index.as_query_engine(
+        similarity_top_k=5, node_postprocessors=[_Reverse(), ContextPilotPostprocessor(pilot=pilot)]
+    )
+    reversed_response = reordering.query(QUESTION)
+    text = str(reversed_response)  # MockLLM echoes the prompt
     assert "priority order" in text and text.index("contextpilot_label: Doc_") < text.index("priority order")
+    assert [n.node.node_id for n in reversed_response.source_nodes] == [n.node.node_id for n in response.source_nodes]
     assert len(response.source_nodes) == 5 and all(n.score is not None for n in response.source_nodes)
     assert all(n.node.metadata["title"] for n in response.source_nodes)
     original = index.docstore.get_node(response.source_nodes[0].node.node_id)

@@ -50,8 +50,10 @@ def test_cached_tokens_map_onto_blocks_with_the_engines_tokenizer_scale() -> Non
     earlier = pilot.prepare(blocks("a", "b", "c", "x"), "q")
     served = pilot.prepare(blocks("a", "b", "c", "d"), "q")
     assert served.cached_blocks == 3
-    # the engine's tokens are 2x our estimate; 50 tokens of system prompt before the blocks
-    prompt = 2 * (50 + 400 + 30)
+    # the engine's tokens are 2x our estimate; 50 tokens of system prompt before the blocks,
+    # then the four blocks and the question (no order annotation: retrieval order)
+    assert served.order_annotation == ""
+    prompt = 2 * (50 + 400 + len("q") // 4)
     assert cached_blocks_from_usage(served, prompt, 2 * (50 + 300), 50) == 3  # as predicted
     assert cached_blocks_from_usage(served, prompt, 2 * (50 + 280), 50) == 3  # within the estimate's error
     assert cached_blocks_from_usage(served, prompt, 2 * (50 + 150), 50) == 1  # clearly fewer: one block

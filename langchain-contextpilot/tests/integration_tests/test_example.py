@@ -21,9 +21,11 @@ def run(env: dict[str, str]) -> str:
 def test_example_prints_the_prompts_offline() -> None:
     env = {k: v for k, v in os.environ.items() if k != "CONTEXTPILOT_ENGINE_URL"}
     out = run(env)
-    assert "priority order" in out and "Please refer to [Doc_" in out  # turn 1 refers to turn 0's documents
+    assert "priority order" in out  # question 1 reordered for question 0's prefix, the ranking restated
+    assert "turn 0: cached prompt tokens None; 0 location references" in out
+    assert "turn 1: cached prompt tokens None; 3 location references" in out  # the conversation refers back
 
 
 def test_example_against_a_real_server(llama: LlamaServer) -> None:
     out = run({**os.environ, "CONTEXTPILOT_ENGINE_URL": llama.url, "CONTEXTPILOT_MODEL": "tiny"})
-    assert "turn 1: cached prompt tokens" in out
+    assert "turn 1: cached prompt tokens" in out and "location references" in out

@@ -34,13 +34,16 @@ def test_a_batch_is_micro_batched_and_routed(replicas: list[LlamaServer]) -> Non
     router = Router([Target(f"r{n}", s.url, engine="llamacpp") for n, s in enumerate(replicas)])
     batcher = MicroBatcher(router, window=0.05)
     retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=4, max_chars=300), pilot=batcher)
-    documents = retriever.batch([QUERY, QUERY.upper(), "Which crypto executive was accused of fraud?"])
-    assert len(documents) == 3 and batcher.batches >= 1 and batcher.requests == 3
     llm = ChatSGLang(model="tiny", router=router, max_tokens=2, temperature=0)
     prompt = ChatPromptTemplate.from_messages([("user", "{context}")])
+    chain = {"context": retriever | RunnableLambda(format_documents)} | prompt | llm
+    questions = [QUERY, QUERY.upper(), "Which crypto executive was accused of fraud?"]
+    answers = chain.batch(questions)  # the retrievals arrive together: planned as one batch
+    assert len(answers) == 3 and batcher.batches >= 1 and batcher.requests == 3
+    assert sum(router.pilot(t).stats().engine_requests for t in router.targets) == 3  # each bound to its own
 
     async def ask() -> list[object]:
-        return await asyncio.gather(*(llm.ainvoke(prompt.invoke({"context": format_documents(d)})) for d in documents))
+        return await asyncio.gather(*(chain.ainvoke(q) for q in questions))
 
-    answers = asyncio.run(ask())
-    assert len(answers) == 3 and sum(router.pilot(t).stats().engine_requests for t in router.targets) == 3
+    assert len(asyncio.run(ask())) == 3 and batcher.requests == 6
+    assert sum(router.pilot(t).stats().engine_requests for t in router.targets) == 6

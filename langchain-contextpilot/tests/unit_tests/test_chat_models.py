@@ -7,7 +7,10 @@ from typing import Any
 import pytest
 from langchain_tests.unit_tests import ChatModelUnitTests
 
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.binding import Binding
 from langchain_contextpilot import ChatSGLang
+from langchain_contextpilot._model_calls import with_ids
 
 
 class TestChatSGLangStandard(ChatModelUnitTests):
@@ -21,9 +24,14 @@ class TestChatSGLangStandard(ChatModelUnitTests):
 
 
 def test_request_id_goes_out_as_rid_and_session_id() -> None:
-    llm = ChatSGLang(model="tiny", base_url="http://127.0.0.1:9/v1")
-    payload = llm._with_rid({"metadata": {"contextpilot_request_id": "cp-7"}}, {"extra_body": {"top_k": 1}})
-    assert payload["extra_body"] == {"top_k": 1, "rid": "cp-7", "session_id": "cp-7"}
+    pilot = ContextPilot()
+    binding = Binding(pilot, pilot.prepare([Block(id="a", text="alpha")], "q"))
+    payload = with_ids("sglang", binding, {"extra_body": {"top_k": 1}}, {"seed": 3}, prompt_ids=False)
+    rid = binding.prepared.request_id
+    assert payload["extra_body"] == {"seed": 3, "top_k": 1, "rid": rid, "session_id": rid}
+    fresh = [with_ids("vllm", None, {}, None, prompt_ids=False)["extra_body"]["request_id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(f.startswith("cp-") for f in fresh)  # unbound: a new id each call
+    assert with_ids(None, binding, {"temperature": 0}, None, prompt_ids=False) == {"temperature": 0}  # hosted: none
 
 
 def test_no_api_key_is_needed_and_none_is_borrowed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ def test_compressor_and_lcel_step_with_events() -> None:
         def on_custom_event(self, name: str, data: Any, **kwargs: Any) -> None:
             events.append(data)
 
-    compressor = ContextPilotCompressor(pilot=ContextPilot())
+    compressor = ContextPilotCompressor(pilot=ContextPilot(), deduplicate=True)
     documents = BM25ChunkRetriever(k=4).invoke(QUERY)
     assert len(compressor.compress_documents(documents, QUERY)) == 4
     chain = BM25ChunkRetriever(k=4) | compressor.as_runnable()
@@ -47,7 +47,8 @@ def test_in_contextual_compression_retriever_with_metadata() -> None:
     from langchain_classic.retrievers import ContextualCompressionRetriever
 
     ccr = ContextualCompressionRetriever(
-        base_compressor=ContextPilotCompressor(pilot=ContextPilot()), base_retriever=BM25ChunkRetriever(k=4)
+        base_compressor=ContextPilotCompressor(pilot=ContextPilot(), deduplicate=True),
+        base_retriever=BM25ChunkRetriever(k=4),
     )
     config = {"metadata": {"conversation_id": "ccr"}}
     first = ccr.invoke(QUERY, config=config)
@@ -63,7 +64,8 @@ def test_in_a_chain_the_compressor_reads_configurable(use_async: bool) -> None:
     from langchain_classic.retrievers import ContextualCompressionRetriever
 
     ccr = ContextualCompressionRetriever(
-        base_compressor=ContextPilotCompressor(pilot=ContextPilot()), base_retriever=BM25ChunkRetriever(k=4)
+        base_compressor=ContextPilotCompressor(pilot=ContextPilot(), deduplicate=True),
+        base_retriever=BM25ChunkRetriever(k=4),
     )
     chain = ccr | RunnableLambda(lambda documents: documents)
     config = {"configurable": {"thread_id": f"ccr-{use_async}"}}
@@ -80,4 +82,9 @@ def test_lcel_helpers() -> None:
     pilot = ContextPilot()
     chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
     text = chain.invoke(QUERY)
-    assert text.count("[Doc_") >= 3 and "priority order" in text and pilot.stats().requests_prepared == 1
+    assert text.count("[Doc_") >= 3 and pilot.stats().requests_prepared == 1
+    assert "priority order" not in text  # the retriever's order kept: nothing to restate
+    reordered = (BM25ChunkRetriever(k=3) | RunnableLambda(lambda d: d[::-1]) | contextpilot_reorder(pilot)).invoke(
+        QUERY
+    )
+    assert "priority order" in format_documents_runnable.invoke(reordered)

@@ -2,6 +2,8 @@ from langchain_contextpilot import __all__
 
 EXPECTED_ALL = [
     "ChatSGLang",
+    "ContextPilotBindingWarning",
+    "ContextPilotChatModel",
     "ContextPilotCompressor",
     "ContextPilotPostprocessor",
     "ContextPilotRetriever",

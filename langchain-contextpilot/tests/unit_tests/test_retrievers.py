@@ -21,12 +21,14 @@ def test_retriever_reorders_and_annotates_without_extra_documents() -> None:
     again = retriever.invoke("Which crypto executive was accused of fraud?")
     assert len(first) == len(again) == 8
     info = first[0].metadata["contextpilot"]
-    assert info["order_annotation"].startswith("Please read the context") and info["request_id"]
+    assert info["order_annotation"] == "" and info["request_id"]  # a fresh pilot keeps the retriever's order
+    assert [d.id for d in first] == [d.id for d in BM25ChunkRetriever(k=8).invoke(QUERY)]
     assert first[0].metadata["title"]  # the retriever's metadata is kept
     # the same documents retrieved in another order are sent in the first request's order
     reversed_docs = ContextPilotCompressor(pilot=pilot).compress_documents(list(reversed(first)), QUERY)
     assert [d.id for d in reversed_docs] == [d.id for d in first]
     text = format_documents(again)
+    assert again[0].metadata["contextpilot"]["order_annotation"]  # reordered: the ranking restated
     assert text.index("[Doc_") < text.index("priority order")
 
 
@@ -35,8 +37,14 @@ def test_conversation_id_from_config_and_references() -> None:
     assert conversation_id_from_config({"configurable": {"session_id": "s"}}) == "s"
     assert conversation_id_from_config({"metadata": {"conversation_id": "m"}}) == "m"
     assert conversation_id_from_config({}) is None
-    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=ContextPilot())
     config = {"configurable": {"thread_id": "chat-1"}}
+    # by default a retriever never emits references: it cannot know the prompt carries the history
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=ContextPilot())
+    retriever.invoke(QUERY, config=config)
+    second = retriever.invoke(QUERY, config=config)
+    assert not any(d.metadata["contextpilot"]["reference"] for d in second)
+    # opted in (for a prompt that carries the history): references
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=ContextPilot(), deduplicate=True)
     retriever.invoke(QUERY, config=config)
     second = retriever.invoke(QUERY, config=config)
     assert len(second) == 5 and all(d.metadata["contextpilot"]["reference"] for d in second)
@@ -45,7 +53,7 @@ def test_conversation_id_from_config_and_references() -> None:
 
 def test_batch_with_mixed_conversations_and_async_parity() -> None:
     pilot = ContextPilot()
-    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=pilot)
+    retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=pilot, deduplicate=True)
     configs = [{"configurable": {"thread_id": "a"}}, {"configurable": {"thread_id": "b"}}]
     retriever.batch([QUERY, QUERY], config=configs)
     again = retriever.batch([QUERY, "a different question about sports"], config=configs)

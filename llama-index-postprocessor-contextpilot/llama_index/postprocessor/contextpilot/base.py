@@ -12,7 +12,9 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from contextpilot_integrations import Block, ContextPilot, PreparedRequest
-from contextpilot_integrations.batching import prepare_with
+from contextpilot_integrations.binding import prepare_bound
+
+from ._binding import deposit, span_binder
 
 __all__ = ["ContextPilotEvent", "ContextPilotPostprocessor"]
 
@@ -74,15 +76,24 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     ``LongContextReorder``); scores and metadata kept, no node dropped.
 
     Each node comes back as a copy labelled ``contextpilot_label`` (shown to the LLM, not
-    embedded); the order annotation joins the query string, which the QA template places
-    after the context.
+    embedded); when the order changed, the order annotation joins the query string, which
+    the QA template places after the context. The prepared request stays with the query
+    (its instrumentation span): ``ContextPilotLLM`` / ``SGLangLLM`` answering that query
+    send its id and report the engine's cached tokens.
+
+    A postprocessor never sees the prompt, so it never replaces a node by a location
+    reference: every node is sent in full (for multi-turn de-duplication use
+    :class:`ContextPilotChatEngine`, which builds the prompt with its history).
     """
 
     pilot: Any = Field(default_factory=ContextPilot, exclude=True)
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
-    conversation_id: str | None = None
     annotate_query: bool = True
     """Append the order annotation to the query string (the QA template shows it after the context)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        span_binder()  # listening before the first query starts
 
     @classmethod
     def class_name(cls) -> str:
@@ -94,7 +105,9 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
         if not nodes:
             return []
         query = query_bundle.query_str if query_bundle else ""
-        prepared = prepare_with(self.pilot, to_blocks(nodes), query, self.conversation_id)
+        binding = prepare_bound(self.pilot, to_blocks(nodes), query)
+        deposit(binding)
+        prepared = binding.prepared
         emit(prepared, nodes)
         annotation = prepared.order_annotation
         if query_bundle is not None and self.annotate_query and annotation and annotation not in query_bundle.query_str:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import uuid
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
@@ -12,19 +15,35 @@ from llama_index.core.chat_engine.types import AgentChatResponse, BaseChatEngine
 from llama_index.core.memory import Memory
 from llama_index.core.schema import NodeWithScore
 
-from contextpilot_integrations import ContextPilot, PreparedRequest
+from contextpilot_integrations import ContextPilot, PreparedRequest, render_block
+from contextpilot_integrations.binding import Binding
 
+from ._llm_calls import BINDING_KWARG, usage_of
 from .base import emit, in_send_order, to_blocks
-from .llms import REQUEST_ID_KWARG, SGLangLLM
+from .llms import ContextPilotLLM, SGLangLLM
 
-__all__ = ["ContextPilotChatEngine"]
+__all__ = ["ContextPilotBindingWarning", "ContextPilotChatEngine"]
+
+
+class ContextPilotBindingWarning(UserWarning):
+    """The chat engine's LLM cannot send ContextPilot's request ids or report cached tokens."""
+
+
+DEFAULT_ANSWER_TOKENS = 256
+"""Room kept for the answer when the LLM does not say how long its answers are."""
 
 _Turn = tuple[list[NodeWithScore], PreparedRequest, list[ChatMessage], ChatMessage]
 
 
 class ContextPilotChatEngine(BaseChatEngine):
     """Memory-aware RAG chat: each turn's context stays in the history; documents already
-    shown become location references while the turn that showed them is in memory.
+    shown become location references while the turn that showed them is in the messages sent.
+
+    The history sent is sized to the LLM: ``metadata.context_window`` minus the answer
+    (``metadata.num_output``), the system prompt and this turn's message (counted as if every
+    document were sent in full); older turns are left out whole, and a document whose turn
+    was left out is sent in full again. Tokens are estimated from characters, calibrated on
+    the engine's own ``prompt_tokens`` after each answer (or counted by ``token_counter``).
 
     Build it with :meth:`from_defaults`, like the stock chat engines.
     """
@@ -36,6 +55,7 @@ class ContextPilotChatEngine(BaseChatEngine):
         memory: Any,
         pilot: ContextPilot,
         system_prompt: str | None = None,
+        token_counter: Callable[[str], int] | None = None,
     ) -> None:
         from llama_index.core.callbacks import CallbackManager
 
@@ -44,10 +64,19 @@ class ContextPilotChatEngine(BaseChatEngine):
         self._memory = memory
         self._pilot = pilot
         self._system_prompt = system_prompt
+        self._token_counter = token_counter
+        self._tokens_per_char = 0.5  # cautious until the engine reports its first count
         self._conversation_id = f"li-{uuid.uuid4().hex}"
         self._turn_texts: dict[int, str] = {}
         self._lock = threading.Lock()
         self.callback_manager = CallbackManager([])
+        if not isinstance(llm, (SGLangLLM, ContextPilotLLM)):
+            warnings.warn(
+                f"{type(llm).__name__} cannot send ContextPilot's request ids or report the engine's cached "
+                "tokens: wrap it, ContextPilotLLM(llm=...), or use SGLangLLM.",
+                ContextPilotBindingWarning,
+                stacklevel=3,
+            )
 
     @classmethod
     def from_defaults(
@@ -57,18 +86,23 @@ class ContextPilotChatEngine(BaseChatEngine):
         memory: Any | None = None,
         pilot: ContextPilot | None = None,
         system_prompt: str | None = "Answer the question using the context documents.",
-        token_limit: int = 30_000,
+        token_limit: int | None = None,
+        token_counter: Callable[[str], int] | None = None,
     ) -> ContextPilotChatEngine:
         """Args: the retriever, the LLM (default ``Settings.llm``), the memory (default a
-        ``Memory`` with ``token_limit``), the shared pilot and the system prompt."""
+        ``Memory`` of ``token_limit`` tokens, by default the LLM's context window), the shared
+        pilot, the system prompt and an optional exact token counter."""
         from llama_index.core import Settings
 
+        llm = llm or Settings.llm
+        limit = token_limit or max(llm.metadata.context_window - _answer_tokens(llm), 1)
         return cls(
             retriever,
-            llm or Settings.llm,
-            memory or Memory.from_defaults(token_limit=token_limit),
+            llm,
+            memory or Memory.from_defaults(token_limit=limit),
             pilot or ContextPilot(),
             system_prompt,
+            token_counter,
         )
 
     @property
@@ -83,9 +117,43 @@ class ContextPilotChatEngine(BaseChatEngine):
             self._turn_texts.clear()
 
     # ---- one turn ------------------------------------------------------------------------
+    def _tokens(self, text: str) -> int:
+        if self._token_counter is not None:
+            return self._token_counter(text)
+        return math.ceil(len(text) * self._tokens_per_char)
+
+    def _fitting(self, message: str, nodes: list[NodeWithScore], history: list[ChatMessage]) -> list[ChatMessage]:
+        """The latest whole turns of ``history`` that fit the context window beside the
+        answer, the system prompt and this turn (counted with every document in full)."""
+        blocks = to_blocks(nodes)
+        this_turn = "\n\n".join([*(render_block(block, self._pilot.templates) for block in blocks), message])
+        room = self._llm.metadata.context_window - _answer_tokens(self._llm)
+        room -= self._tokens(self._system_prompt or "") + self._tokens(this_turn) + 16 * (len(history) + 2)
+        turns: list[list[ChatMessage]] = []
+        for item in history:  # a turn: a user message and what follows it
+            if item.role == MessageRole.USER or not turns:
+                turns.append([])
+            turns[-1].append(item)
+        kept: list[ChatMessage] = []
+        for turn in reversed(turns):
+            size = sum(self._tokens(str(item.content or "")) for item in turn)
+            if size > room:
+                break
+            room -= size
+            kept = turn + kept
+        return kept
+
+    def _calibrate(self, messages: list[ChatMessage], response: ChatResponse) -> None:
+        """Learn tokens per character from the engine's own prompt count (with a margin)."""
+        prompt_tokens, _, _ = usage_of(response.raw)
+        chars = sum(len(str(m.content or "")) for m in messages)
+        if prompt_tokens and chars:
+            self._tokens_per_char = 1.1 * prompt_tokens / chars
+
     def _prepare(
         self, message: str, nodes: list[NodeWithScore], history: list[ChatMessage]
     ) -> tuple[PreparedRequest, list[ChatMessage], ChatMessage]:
+        history = self._fitting(message, nodes, history)
         shown = {m.content for m in history if m.role == MessageRole.USER}
         with self._lock:
             kept = {turn for turn, text in self._turn_texts.items() if text in shown}
@@ -110,8 +178,10 @@ class ContextPilotChatEngine(BaseChatEngine):
         return (nodes, *self._prepare(message, nodes, await self._memory.aget()))
 
     def _call_kwargs(self, prepared: PreparedRequest) -> dict[str, Any]:
-        """The request id for :class:`SGLangLLM` (other LLMs take no extra argument)."""
-        return {REQUEST_ID_KWARG: prepared.request_id} if isinstance(self._llm, SGLangLLM) else {}
+        """The prepared request, for our LLM classes (other LLMs take no extra argument)."""
+        if isinstance(self._llm, (SGLangLLM, ContextPilotLLM)):
+            return {BINDING_KWARG: Binding(self._pilot, prepared)}
+        return {}
 
     @staticmethod
     def _response(prepared: PreparedRequest, nodes: list[NodeWithScore], response: ChatResponse) -> AgentChatResponse:
@@ -123,6 +193,7 @@ class ContextPilotChatEngine(BaseChatEngine):
     def chat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
         nodes, prepared, messages, user = self._begin(message, chat_history)
         response = self._llm.chat(messages, **self._call_kwargs(prepared))
+        self._calibrate(messages, response)
         self._memory.put(user)
         self._memory.put(response.message)
         return self._response(prepared, nodes, response)
@@ -130,6 +201,7 @@ class ContextPilotChatEngine(BaseChatEngine):
     async def achat(self, message: str, chat_history: list[ChatMessage] | None = None) -> AgentChatResponse:
         nodes, prepared, messages, user = await self._abegin(message, chat_history)
         response = await self._llm.achat(messages, **self._call_kwargs(prepared))
+        self._calibrate(messages, response)
         await self._memory.aput(user)
         await self._memory.aput(response.message)
         return self._response(prepared, nodes, response)
@@ -155,3 +227,11 @@ class ContextPilotChatEngine(BaseChatEngine):
             response.awrite_response_to_history(self._memory)
         )
         return response
+
+
+def _answer_tokens(llm: Any) -> int:
+    """Room the answer needs: the LLM's ``num_output`` (or ``max_tokens``), else a default."""
+    for value in (getattr(llm.metadata, "num_output", None), getattr(llm, "max_tokens", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_ANSWER_TOKENS

@@ -1,42 +1,222 @@
-"""An LLM for SGLang and other OpenAI-compatible servers with a prefix cache.
+"""LLMs that send ContextPilot's prepared request and report what the engine cached.
 
-``llama-index-llms-sglang`` talks to ``/v1/completions`` with its own prompt formatting and
-returns no usage, so the server's cached tokens cannot be read back; the maintained
-``OpenAILike`` (chat completions, usage included) is the base, plus two hooks: the request
-id of the prepared request goes out as ``rid``/``session_id``, and the cached tokens come
-back in ``additional_kwargs["cached_tokens"]``.
+:class:`ContextPilotLLM` wraps the LlamaIndex LLM you already use (``OpenAI``,
+``OpenAILike``, ``Anthropic``, ...). :class:`SGLangLLM` is ``OpenAILike`` preset for SGLang
+and other OpenAI-compatible engines (``llama-index-llms-sglang`` talks to
+``/v1/completions`` and returns no usage, so the maintained ``OpenAILike`` is the base).
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
 from llama_index.core.bridge.pydantic import Field
+from llama_index.core.llms import LLM
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations import ContextPilot, PreparedRequest
+from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.feedback import Binding, bind_prompt, report_failed, report_served
-from contextpilot_integrations.errors import EngineError
 
-__all__ = ["REQUEST_ID_KWARG", "SGLangLLM"]
+from . import _llm_calls
+from ._binding import span_binder, take
+from ._llm_calls import BINDING_KWARG
 
-REQUEST_ID_KWARG = "contextpilot_request_id"
+__all__ = ["BINDING_KWARG", "ContextPilotLLM", "SGLangLLM"]
 
 
-class SGLangLLM(OpenAILike):
-    """``OpenAILike`` chat model that sends ContextPilot's request id and reports back.
+class _Reports:
+    """Bookkeeping around one provider call (shared by both LLM classes)."""
 
-    The id is the one the chat engine passes for the call (``contextpilot_request_id=``),
-    else that of the most recent prepared request whose order annotation the messages
-    contain (the query engine path: :class:`ContextPilotPostprocessor` puts it in the
-    query), else a fresh one; it goes out as ``rid`` and ``session_id`` (``engine="vllm"``:
-    ``request_id``). The server's cached tokens come back in
-    ``response.additional_kwargs["cached_tokens"]`` and, with the token counts, to the
+    event_sink: Any
+    usage_feedback: bool | None
+
+    def _feedback(self) -> bool:
+        return self.event_sink is None if self.usage_feedback is None else self.usage_feedback
+
+    def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
+        if response is None:
+            return None
+        cached = _llm_calls.report(
+            binding, response.raw, usage_feedback=self._feedback(), tracker=self.event_sink, ids=ids
+        )
+        if cached is not None:
+            response.additional_kwargs["cached_tokens"] = cached
+        return response
+
+    def _fail(self, binding: Binding | None, exc: BaseException) -> BaseException:
+        _llm_calls.failed(binding, self.event_sink)
+        return _llm_calls.typed(exc, type(self).__name__)
+
+    def _streamed(self, binding: Binding | None, stream: Any) -> Generator[Any, None, None]:
+        last, ids = None, None
+        try:
+            for response in stream:
+                ids = ids or _llm_calls.usage_of(response.raw)[2]
+                last = response
+                yield response
+        except GeneratorExit:  # the reader stopped early: the request was served
+            raise
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        self._done(binding, last, ids)
+
+    async def _astreamed(self, binding: Binding | None, stream: Any) -> AsyncGenerator[Any, None]:
+        last, ids = None, None
+        try:
+            async for response in stream:
+                ids = ids or _llm_calls.usage_of(response.raw)[2]
+                last = response
+                yield response
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        self._done(binding, last, ids)
+
+
+class ContextPilotLLM(_Reports, LLM):
+    """Any LlamaIndex LLM, sending the prepared request of its query or chat turn.
+
+    ``ContextPilotLLM(llm=OpenAI(...))`` (or ``OpenAILike``, ``Anthropic``, ...) where the
+    LLM goes (``Settings.llm``, ``index.as_query_engine(llm=...)``):
+
+    - it takes the request that ``ContextPilotPostprocessor`` prepared earlier in the same
+      query (through the instrumentation span tree, never by searching the prompt), or the
+      one ``ContextPilotChatEngine`` names;
+    - a location reference whose text is not in the messages sent is replaced by that text
+      (``pilot.stats().references_restored``);
+    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm``) the request id
+      goes out in the body;
+    - the provider's cached tokens (OpenAI ``prompt_tokens_details.cached_tokens``,
+      Anthropic ``cache_read_input_tokens``) go back to the request's pilot and into
+      ``response.additional_kwargs["cached_tokens"]``; a failed call makes the pilot forget it.
+    """
+
+    llm: Any = Field(description="The LlamaIndex LLM that talks to the provider.")
+    engine: str | None = Field(default=None, description="sglang, vllm: body fields for the request id.")
+    event_sink: Any = Field(default=None, exclude=True)
+    usage_feedback: bool | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(self.llm, LLM):
+            raise TypeError(f"llm must be a LlamaIndex LLM, got {type(self.llm).__name__}")
+        if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "additional_kwargs"):
+            raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
+        span_binder()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextPilotLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return self.llm.metadata  # type: ignore[no-any-return]
+
+    def _streaming(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Ask an OpenAI-compatible model for usage at the end of a stream."""
+        if _is_openai(self.llm):
+            return {"stream_options": {"include_usage": True}, **kwargs}
+        return kwargs
+
+    def _with_ids(self, binding: Binding | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not wire.REQUEST_ID_FIELDS.get(self.engine or ""):
+            return kwargs
+        base = (self.llm.additional_kwargs or {}).get("extra_body")
+        extra = _llm_calls.id_fields(
+            self.engine, _llm_calls.request_id(binding), {**(base or {}), **(kwargs.get("extra_body") or {})}, False
+        )
+        return {**kwargs, "extra_body": extra}
+
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        binding, sent = _llm_calls.bind(kwargs, messages)
+        try:
+            response = self.llm.chat(sent, **self._with_ids(binding, kwargs))
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
+
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        binding, sent = _llm_calls.bind(kwargs, messages)
+        try:
+            response = await self.llm.achat(sent, **self._with_ids(binding, kwargs))
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
+
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        binding, sent = _llm_calls.bind(kwargs, messages)
+        try:
+            stream = self.llm.stream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._streamed(binding, stream)
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        binding, sent = _llm_calls.bind(kwargs, messages)
+        try:
+            stream = await self.llm.astream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._astreamed(binding, stream)
+
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        try:
+            response = self.llm.complete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
+
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        try:
+            response = await self.llm.acomplete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
+
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        try:
+            stream = self.llm.stream_complete(
+                sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
+            )
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._streamed(binding, stream)
+
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        try:
+            stream = await self.llm.astream_complete(
+                sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
+            )
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._astreamed(binding, stream)
+
+
+class SGLangLLM(_Reports, OpenAILike):
+    """``OpenAILike`` preset for SGLang (and other OpenAI-compatible engines).
+
+    Each call sends the request ContextPilot prepared for it (named by
+    ``ContextPilotChatEngine``, or left by ``ContextPilotPostprocessor`` in the same query,
+    as :class:`ContextPilotLLM` takes it), else a fresh id; it goes out as ``rid`` and
+    ``session_id`` (``server="vllm"``: ``request_id``). The server's cached tokens come back
+    in ``response.additional_kwargs["cached_tokens"]`` and, with the token counts, to the
     request's pilot: its statistics, the prompt's token ids for ``event_sink`` (KV-event
     mapping), or without one ``usage_feedback`` (cached-token shortfalls drop what the
     engine no longer has). A call that fails makes the pilot forget the request. A local
@@ -44,8 +224,6 @@ class SGLangLLM(OpenAILike):
     """
 
     is_chat_model: bool = True
-    pilot: ContextPilot | None = Field(default=None, exclude=True)
-    """The pilot to search first (default: every pilot in the process)."""
     event_sink: Any = Field(default=None, exclude=True)
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None
@@ -63,19 +241,16 @@ class SGLangLLM(OpenAILike):
         if kwargs.get("api_key") is None:
             kwargs["api_key"] = os.environ.get("SGLANG_API_KEY") or "EMPTY"
         super().__init__(**kwargs)
+        span_binder()
 
     @classmethod
     def class_name(cls) -> str:
         return "SGLangLLM"
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
-        rid = kwargs.pop(REQUEST_ID_KWARG, None) or f"cp-{uuid.uuid4().hex}"
+        rid = kwargs.pop(_RID_KWARG, None) or _llm_calls.request_id(None)
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        extra = dict(model_kwargs.get("extra_body") or {})
-        for name in wire.REQUEST_ID_FIELDS.get(self.server, ()):
-            extra[name] = rid
-        if self.event_sink is not None:
-            extra.update(wire.PROMPT_IDS_REQUEST.get(self.server, {}))
+        extra = _llm_calls.id_fields(self.server, rid, model_kwargs.get("extra_body"), self.event_sink is not None)
         if self.slot is not None:
             extra["id_slot"] = self.slot
         model_kwargs["extra_body"] = extra
@@ -83,161 +258,103 @@ class SGLangLLM(OpenAILike):
             model_kwargs.setdefault("stream_options", {"include_usage": True})
         return model_kwargs
 
-    # ---- the prepared request behind a call, and the report --------------------------------
-    def _bind(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Binding | None:
-        text = "\n".join(m.content for m in messages if isinstance(m.content, str))
-        binding = bind_prompt(text, kwargs.get(REQUEST_ID_KWARG), self.pilot)
-        if binding is not None:
-            kwargs[REQUEST_ID_KWARG] = binding.prepared.request_id
-        return binding
-
-    def _report(self, binding: Binding | None, response: ChatResponse | None) -> ChatResponse | None:
-        if response is None:
-            return None
-        usage, ids = _usage_and_ids(response.raw)
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if cached is not None:
-            response.additional_kwargs["cached_tokens"] = cached
-        if binding is not None and usage:
-            report_served(
-                binding.pilot,
-                binding.prepared,
-                usage.get("prompt_tokens"),
-                cached,
-                before_tokens=binding.before_tokens,
-                usage_feedback=self.event_sink is None if self.usage_feedback is None else self.usage_feedback,
-                tracker=self.event_sink,
-                input_ids=ids,
-            )
-        return response
-
-    def _failed(self, binding: Binding | None) -> None:
-        if binding is not None:
-            report_failed(binding.pilot, binding.prepared, self.event_sink)
+    def _bind(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[Binding | None, list[ChatMessage]]:
+        binding, sent = _llm_calls.bind(kwargs, messages)
+        kwargs[_RID_KWARG] = _llm_calls.request_id(binding)
+        return binding, sent
 
     # ---- routing across targets ----------------------------------------------------------------
     def _delegate(self, target: Any) -> SGLangLLM:
         """An LLM for one target (cached): this one's settings, that target's server."""
         delegates: dict[str, SGLangLLM] = self.__dict__.setdefault("_delegates", {})
         if target.name not in delegates:
-            skip = {"router", "api_base", "slot", "server", "callback_manager", "pilot"}
+            skip = {"router", "api_base", "slot", "server", "callback_manager"}
             settings = {name: getattr(self, name) for name in type(self).model_fields if name not in skip}
-            settings["pilot"] = self.router.pilot(target)  # it reports to that target's state
             delegates[target.name] = type(self)(
-                **settings, api_base=target.base_url.rstrip("/") + "/v1", slot=target.slot, server=target.engine
+                **settings,
+                api_base=target.base_url.rstrip("/") + "/v1",
+                slot=target.slot,
+                server=target.engine,
+                http_client=self._http_client,  # the caller's connection pools (and hooks)
+                async_http_client=self._async_http_client,
             )
         return delegates[target.name]
 
-    def _route(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        return self.router.call(self._bind(messages, kwargs), self._sender(kwargs, call))
-
-    async def _aroute(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], call: Any) -> Any:
-        return await self.router.acall(self._bind(messages, kwargs), self._sender(kwargs, call))
+    def _route(self, kwargs: dict[str, Any], call: Any, *, run: Any = None) -> Any:
+        binding = kwargs.pop(BINDING_KWARG, None) or take()
+        router_call = run or self.router.call
+        return router_call(binding, self._sender(kwargs, call))
 
     def _sender(self, kwargs: dict[str, Any], call: Any) -> Any:
         """Send through the target's delegate, naming the request as that target's state knows it."""
 
-        def send(target: Any, prepared: PreparedRequest | None) -> Any:
-            if prepared is not None:
-                kwargs[REQUEST_ID_KWARG] = prepared.request_id
-            return call(self._delegate(target))
+        def send(target: Any, prepared: Any) -> Any:
+            named = {BINDING_KWARG: Binding(self.router.pilot(target), prepared)} if prepared is not None else {}
+            return call(self._delegate(target), {**kwargs, **named})
 
         return send
 
     # ---- every call style ----------------------------------------------------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         if self.router is not None:
-            return self._route(messages, kwargs, lambda llm: llm.chat(messages, **kwargs))  # type: ignore[no-any-return]
-        binding = self._bind(messages, kwargs)
+            return self._route(kwargs, lambda llm, kw: llm.chat(messages, **kw))  # type: ignore[no-any-return]
+        binding, sent = self._bind(messages, kwargs)
         try:
-            response = super().chat(messages, **kwargs)
-        except BaseException:
-            self._failed(binding)
-            raise
-        return self._report(binding, response) or response
+            response = super().chat(sent, **kwargs)
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         if self.router is not None:
-            return await self._aroute(messages, kwargs, lambda llm: llm.achat(messages, **kwargs))  # type: ignore[no-any-return]
-        binding = self._bind(messages, kwargs)
+            return await self._route(kwargs, lambda llm, kw: llm.achat(messages, **kw), run=self.router.acall)  # type: ignore[no-any-return]
+        binding, sent = self._bind(messages, kwargs)
         try:
-            response = await super().achat(messages, **kwargs)
-        except BaseException:
-            self._failed(binding)
-            raise
-        return self._report(binding, response) or response
+            response = await super().achat(sent, **kwargs)
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._done(binding, response)  # type: ignore[no-any-return]
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generator[ChatResponse, None, None]:
         if self.router is not None:  # routed; the stream is read whole so that failover can resend
-            yield from self._route(messages, kwargs, lambda llm: list(llm.stream_chat(messages, **kwargs)))
-            return
-        binding = self._bind(messages, kwargs)
-        last: ChatResponse | None = None
-        ids: list[int] | None = None
+            return iter(self._route(kwargs, lambda llm, kw: list(llm.stream_chat(messages, **kw))))  # type: ignore[return-value]
+        binding, sent = self._bind(messages, kwargs)  # now, in the caller's span: not when read
         try:
-            for response in super().stream_chat(messages, **kwargs):
-                ids = ids or _usage_and_ids(response.raw)[1]
-                last = response
-                yield response
-        except BaseException:
-            self._failed(binding)
-            raise
-        self._report(binding, _with_ids(last, ids))
+            stream = super().stream_chat(sent, **kwargs)
+        except Exception as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._streamed(binding, stream)
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> AsyncGenerator[ChatResponse, None]:
         if self.router is not None:
 
-            async def whole(llm: SGLangLLM) -> list[ChatResponse]:
-                return [chunk async for chunk in await llm.astream_chat(messages, **kwargs)]
+            async def whole(llm: SGLangLLM, kw: dict[str, Any]) -> list[ChatResponse]:
+                return [chunk async for chunk in await llm.astream_chat(messages, **kw)]
 
-            chunks = await self._aroute(messages, kwargs, whole)
+            chunks = await self._route(kwargs, whole, run=self.router.acall)
 
             async def replay() -> AsyncGenerator[ChatResponse, None]:
                 for chunk in chunks:
                     yield chunk
 
             return replay()
-        binding = self._bind(messages, kwargs)
+        binding, sent = self._bind(messages, kwargs)
         try:
-            stream = await super().astream_chat(messages, **kwargs)
-        except BaseException:
-            self._failed(binding)
-            raise
-
-        async def gen() -> AsyncGenerator[ChatResponse, None]:
-            last: ChatResponse | None = None
-            ids: list[int] | None = None
-            try:
-                async for response in stream:
-                    ids = ids or _usage_and_ids(response.raw)[1]
-                    last = response
-                    yield response
-            except BaseException:
-                self._failed(binding)
-                raise
-            self._report(binding, _with_ids(last, ids))
-
-        return gen()
+            stream = await super().astream_chat(sent, **kwargs)
+        except BaseException as exc:
+            _llm_calls.reraise(self._fail(binding, exc), exc)
+        return self._astreamed(binding, stream)
 
 
-def _usage_and_ids(raw: Any) -> tuple[dict[str, Any], list[int] | None]:
-    """The usage object and prompt token ids of a raw OpenAI answer (or stream chunk)."""
-    if raw is None:
-        return {}, None
-    data = raw if isinstance(raw, dict) else raw.model_dump() if hasattr(raw, "model_dump") else {}
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+def _is_openai(llm: Any) -> bool:
     try:
-        ids = wire.input_ids(data, "the server")
-    except EngineError:
-        ids = None
-    return usage or {}, ids
+        from llama_index.llms.openai import OpenAI
+    except ImportError:  # pragma: no cover - installed with this package
+        return False
+    return isinstance(llm, OpenAI)
 
 
-def _with_ids(response: ChatResponse | None, ids: list[int] | None) -> ChatResponse | None:
-    """The stream's last chunk (it carries the usage), with the first chunk's prompt ids."""
-    if response is None or not ids:
-        return response
-    data = response.raw if isinstance(response.raw, dict) else response.raw.model_dump() if response.raw else {}
-    response.raw = {**data, "prompt_token_ids": ids}
-    return response
+_RID_KWARG = "_contextpilot_rid"
+"""How a bound call hands its request id to ``_get_model_kwargs`` (never sent as a field)."""

@@ -1,0 +1,250 @@
+"""Which prepared request a model call sends: carried by the framework's run tree.
+
+A retrieval step prepares a request; a model call later in the same invocation sends it.
+The two never see each other, and the prompt text is no reliable link (two users with the
+same documents render the same text). Both frameworks run every step inside a tree of runs
+(LangChain run ids, LlamaIndex spans), so the link is structural: the retrieval step
+*deposits* its prepared request at its run; a model call *takes* the deposit whose run
+shares the nearest ancestor with the call, made before it and not taken yet. Concurrent
+invocations live in different subtrees and never meet, so every id sent is unique.
+
+Framework-free: the adapters feed :class:`RunBinder` their run or span ids.
+:func:`restore_references` is the second half of the contract: where messages leave for
+the engine, every location reference must point at text that is in those messages.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .annotations import DEFAULT_TEMPLATES, Templates, render_block
+from .blocks import CHARS_PER_TOKEN, BlockLike
+from .pilot import ContextPilot
+from .prepared import PreparedRequest, Reference
+
+__all__ = [
+    "Binding",
+    "RunBinder",
+    "aprepare_bound",
+    "dangling_references",
+    "prepare_bound",
+    "resolve_references",
+    "restore_references",
+]
+
+RunId = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The prepared request behind one model call, and the pilot its engine report goes to."""
+
+    pilot: ContextPilot
+    prepared: PreparedRequest
+    before_tokens: int = 0
+    """Our estimate of the prompt tokens before its first block (system prompt, history)."""
+
+    def located(self, text: str) -> Binding:
+        """This binding with ``before_tokens`` estimated from the outgoing prompt ``text``."""
+        prepared = self.prepared
+        first = text.find(render_block(prepared.blocks[0], prepared.templates)) if prepared.blocks else -1
+        return Binding(self.pilot, prepared, max(first, 0) // CHARS_PER_TOKEN)
+
+
+@dataclass(slots=True)
+class _Deposit:
+    run: RunId
+    binding: Binding
+    order: int
+    taken: bool = False
+    failed: bool = False
+
+
+@dataclass
+class RunBinder:
+    """Deposits of one invocation's prepared requests, matched to its model calls.
+
+    Thread-safe. Bounded: at most ``max_runs`` parent links and ``max_deposits`` deposits
+    (oldest dropped first); a LangChain invocation owns one binder, LlamaIndex drops a
+    root span's state when the span ends.
+    """
+
+    max_runs: int = 10_000
+    max_deposits: int = 1_000
+    _parents: OrderedDict[RunId, RunId | None] = field(default_factory=OrderedDict, repr=False)
+    _deposits: list[_Deposit] = field(default_factory=list, repr=False)
+    _count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def started(self, run: RunId, parent: RunId | None) -> None:
+        """A run began under ``parent`` (``None``: a root)."""
+        with self._lock:
+            self._parents[run] = parent
+            while len(self._parents) > self.max_runs:
+                self._parents.popitem(last=False)
+
+    def deposit(self, run: RunId, binding: Binding) -> object:
+        """The step running as ``run`` prepared ``binding.prepared`` for a later model call.
+        Returns the deposit, for :meth:`claim`."""
+        with self._lock:
+            self._count += 1
+            deposit = _Deposit(run, binding, self._count)
+            self._deposits.append(deposit)
+            if len(self._deposits) > self.max_deposits:
+                del self._deposits[: len(self._deposits) - self.max_deposits]
+            return deposit
+
+    def claim(self, deposit: object) -> Binding | None:
+        """Take this very deposit (made by :meth:`deposit`) unless a call took it already."""
+        if not isinstance(deposit, _Deposit):
+            return None
+        with self._lock:
+            if deposit.taken:
+                return None
+            deposit.taken = True
+            return deposit.binding
+
+    def take(self, run: RunId | None) -> Binding | None:
+        """The deposit for a model call at ``run`` (its parent run, or the call's own run):
+        the untaken one whose run shares the nearest ancestor with ``run`` (the latest on a
+        tie). A deposit whose call failed (:meth:`failed`) can be taken again by a retry.
+        ``None`` when the call is outside every deposit's invocation."""
+        if run is None:
+            return None
+        with self._lock:
+            lineage = self._lineage(run)
+            depth = {ancestor: index for index, ancestor in enumerate(lineage)}
+            best: tuple[int, int] | None = None
+            chosen: _Deposit | None = None
+            for deposit in self._deposits:
+                if deposit.taken:
+                    continue
+                shared = next((depth[a] for a in self._lineage(deposit.run) if a in depth), None)
+                if shared is None:
+                    continue
+                rank = (shared, -deposit.order)
+                if best is None or rank < best:
+                    best, chosen = rank, deposit
+            if chosen is None:
+                return None
+            chosen.taken = True
+            retry = chosen.failed
+            chosen.failed = False
+            binding = chosen.binding
+        if retry:  # the failed attempt was forgotten; the retry sends it again, under a new id
+            binding = Binding(binding.pilot, binding.pilot.adopt(binding.prepared, fresh_id=True))
+            with self._lock:
+                chosen.binding = binding
+        return binding
+
+    def failed(self, binding: Binding) -> None:
+        """The call that took ``binding`` failed: a retry in the same invocation may take it."""
+        with self._lock:
+            for deposit in self._deposits:
+                if deposit.binding.prepared.request_id == binding.prepared.request_id:
+                    deposit.taken, deposit.failed = False, True
+
+    def untaken(self) -> list[Binding]:
+        """Deposits no model call took (what an unbound model call leaves unreported)."""
+        with self._lock:
+            return [deposit.binding for deposit in self._deposits if not deposit.taken]
+
+    def forget(self, runs: Collection[RunId]) -> None:
+        """Drop these runs and the deposits made at them (a finished root's subtree)."""
+        with self._lock:
+            for run in runs:
+                self._parents.pop(run, None)
+            self._deposits = [deposit for deposit in self._deposits if deposit.run not in runs]
+
+    def _lineage(self, run: RunId) -> list[RunId]:
+        chain = [run]
+        seen = {run}
+        parent = self._parents.get(run)
+        while parent is not None and parent not in seen:
+            chain.append(parent)
+            seen.add(parent)
+            parent = self._parents.get(parent)
+        return chain
+
+
+def restore_references(prepared: PreparedRequest, texts: MutableSequence[str]) -> list[str]:
+    """Put back the full text of every reference of ``prepared`` whose target is not earlier
+    in ``texts`` (the outgoing messages' texts, in order; edited in place). A reference may
+    stay only if the block text it points to comes before it in the same request.
+    Returns the ids of the blocks restored (sent in full after all)."""
+    return resolve_references(texts, prepared.references, prepared.templates)
+
+
+def resolve_references(
+    texts: MutableSequence[str], references: Iterable[Reference], templates: Templates = DEFAULT_TEMPLATES
+) -> list[str]:
+    """:func:`restore_references` for any references: of the current turn, or of earlier
+    turns whose messages are sent again (their targets may have left the history)."""
+    restored = []
+    for reference in references:
+        target = render_block(reference.block, templates)
+        for index, text in enumerate(texts):
+            position = text.find(reference.text)
+            if position == -1:
+                continue
+            if not any(target in before for before in texts[:index]) and target not in text[:position]:
+                texts[index] = text[:position] + target + text[position + len(reference.text) :]
+                restored.append(reference.block.id)
+            break
+    return restored
+
+
+def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
+    """The labels of location references in ``texts`` (a request's messages, in order) whose
+    block is not rendered before them: what the model would be told to find but cannot.
+    An audit for tests and logs; the chat model classes prevent it with
+    :func:`restore_references`."""
+    head, _, tail = templates.reference.partition("{label}")
+    pattern = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail))
+    block_head = templates.block.split("{text}")[0]
+    joined = "\n".join(texts)
+    return [
+        match.group(1)
+        for match in pattern.finditer(joined)
+        if block_head.format(label=match.group(1)) not in joined[: match.start()]
+    ]
+
+
+def prepare_bound(
+    preparer: Any,
+    blocks: Sequence[BlockLike],
+    query: str,
+    conversation_id: str | None = None,
+    *,
+    kept_turns: Collection[int] | None = None,
+) -> Binding:
+    """Prepare with a pilot, a router or a micro-batcher alike, and name the pilot whose
+    index now holds the request (a router's target state): what an adapter deposits."""
+    result = preparer.prepare(blocks, query, conversation_id, kept_turns=kept_turns)
+    return _bound(preparer, result)
+
+
+async def aprepare_bound(
+    preparer: Any,
+    blocks: Sequence[BlockLike],
+    query: str,
+    conversation_id: str | None = None,
+    *,
+    kept_turns: Collection[int] | None = None,
+) -> Binding:
+    """Async variant of :func:`prepare_bound`."""
+    result = await preparer.aprepare(blocks, query, conversation_id, kept_turns=kept_turns)
+    return _bound(preparer, result)
+
+
+def _bound(preparer: Any, result: Any) -> Binding:
+    if isinstance(result, PreparedRequest):  # a pilot's, or a micro-batcher's over a pilot
+        owner = preparer if isinstance(preparer, ContextPilot) else preparer.planner
+        return Binding(owner, result)
+    router = getattr(preparer, "planner", preparer)  # a router's, or a micro-batcher's over one
+    return Binding(router.pilot(result.target), result.prepared)

@@ -1,0 +1,154 @@
+"""What every model call of this package does around the provider's own call.
+
+Before: take the prepared request of this invocation (or the one named explicitly), put
+back the text of any location reference whose target the messages do not carry, and add
+the engine's request-id fields. After: the engine's token counts go to the request's
+pilot; a failure makes the pilot forget the request (and lets a retry take it again).
+Transport failures surface as the core's :class:`EngineUnavailable`.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables import ensure_config
+
+from contextpilot_integrations.binding import Binding, restore_references
+from contextpilot_integrations.engines import wire
+from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
+from contextpilot_integrations.errors import EngineUnavailable
+
+from . import _binding
+
+BINDING_KWARG = "_contextpilot_binding"
+"""A routed call names its request to the target's model explicitly."""
+PROMPT_IDS_KEY = "prompt_token_ids"
+
+
+def bind(
+    run_manager: Any, kwargs: dict[str, Any], messages: Sequence[BaseMessage]
+) -> tuple[Binding | None, list[BaseMessage]]:
+    """The call's prepared request, and the messages to send (every reference resolvable)."""
+    binding = kwargs.pop(BINDING_KWARG, None)
+    if binding is None:
+        # a model's stream() calls _stream without its run manager: the run's config is in context
+        binding = _binding.take(run_manager if run_manager is not None else ensure_config().get("callbacks"))
+    messages = list(messages)
+    if binding is None:
+        return None, messages
+    segments, places = _segments(messages)
+    restored = restore_references(binding.prepared, segments)
+    if restored:
+        binding.pilot.note_restored(binding.prepared, restored)
+        messages = _rebuilt(messages, segments, places)
+    return binding.located("\n".join(segments)), messages
+
+
+def with_ids(
+    engine: str | None,
+    binding: Binding | None,
+    kwargs: dict[str, Any],
+    extra_body: dict[str, Any] | None,
+    prompt_ids: bool,
+) -> dict[str, Any]:
+    """``kwargs`` plus the body fields that carry the request id (a fresh one when unbound)."""
+    fields = wire.REQUEST_ID_FIELDS.get(engine or "", ())
+    if not fields and not prompt_ids:
+        return kwargs
+    rid = binding.prepared.request_id if binding is not None else f"cp-{uuid.uuid4().hex}"
+    extra = {**(extra_body or {}), **(kwargs.get("extra_body") or {})}
+    for name in fields:
+        extra[name] = rid
+    if prompt_ids:
+        extra.update(wire.PROMPT_IDS_REQUEST.get(engine or "", {}))
+    return {**kwargs, "extra_body": extra}
+
+
+def report(binding: Binding | None, message: Any, *, usage_feedback: bool, tracker: EventTracker | None) -> None:
+    """The engine's counts (LangChain's standard ``usage_metadata``) to the request's pilot."""
+    if binding is None or message is None:
+        return
+    usage = getattr(message, "usage_metadata", None) or {}
+    details = usage.get("input_token_details") or {}
+    ids = (getattr(message, "response_metadata", None) or {}).get(PROMPT_IDS_KEY)
+    report_served(
+        binding.pilot,
+        binding.prepared,
+        usage.get("input_tokens"),
+        details.get("cache_read"),
+        before_tokens=binding.before_tokens,
+        usage_feedback=usage_feedback,
+        tracker=tracker,
+        input_ids=ids,
+    )
+
+
+def failed(run_manager: Any, binding: Binding | None, tracker: EventTracker | None) -> None:
+    if binding is not None:
+        report_failed(binding.pilot, binding.prepared, tracker)
+        _binding.failed(run_manager, binding)
+
+
+def typed(exc: BaseException, where: str) -> BaseException:
+    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`
+    (timeouts and the server's own answers stay as the provider SDK raised them)."""
+    if _is_transport_failure(exc):
+        error = EngineUnavailable(f"{where}: the connection failed ({type(exc).__name__}: {exc})")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
+def _is_transport_failure(exc: BaseException) -> bool:
+    import httpx
+
+    if isinstance(exc, httpx.TimeoutException):
+        return False
+    if isinstance(exc, httpx.TransportError):
+        return True
+    for sdk in (sys.modules.get("openai"), sys.modules.get("anthropic")):  # only SDKs in use
+        if sdk is not None and isinstance(exc, sdk.APIConnectionError) and not isinstance(exc, sdk.APITimeoutError):
+            return True
+    return False
+
+
+def _segments(messages: Sequence[BaseMessage]) -> tuple[list[str], list[tuple[int, int | None]]]:
+    """Every text of the messages in order, and where each came from (message, content part)."""
+    segments: list[str] = []
+    places: list[tuple[int, int | None]] = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, str):
+            segments.append(content)
+            places.append((index, None))
+            continue
+        for part_index, part in enumerate(content):
+            text = part if isinstance(part, str) else part.get("text") if part.get("type") == "text" else None
+            if isinstance(text, str):
+                segments.append(text)
+                places.append((index, part_index))
+    return segments, places
+
+
+def _rebuilt(
+    messages: list[BaseMessage], segments: list[str], places: list[tuple[int, int | None]]
+) -> list[BaseMessage]:
+    """Copies of the messages whose texts changed (the caller's objects stay untouched)."""
+    out = list(messages)
+    for text, (index, part_index) in zip(segments, places, strict=True):
+        message = out[index]
+        if part_index is None:
+            if message.content != text:
+                out[index] = message.model_copy(update={"content": text})
+            continue
+        parts = list(message.content)
+        part = parts[part_index]
+        current = part if isinstance(part, str) else part["text"]
+        if current != text:
+            parts[part_index] = text if isinstance(part, str) else {**part, "text": text}
+            out[index] = message.model_copy(update={"content": parts})
+    return out

@@ -1,0 +1,100 @@
+"""A LangGraph node that de-duplicates safely: the graph state holds the messages it refers to.
+
+A retriever cannot de-duplicate (it never sees the prompt). A graph whose state keeps the
+conversation's messages can: :class:`ContextPilotRetrieveNode` turns the latest user
+question into a message carrying the retrieved context, where documents that an earlier
+user message *in the state* already carries become location references. The model node
+then sends ``state["messages"]``, which hold every text a reference points to (and the
+chat model classes of this package put back any text a trimmed history lost)::
+
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("retrieve", ContextPilotRetrieveNode(retriever=retriever, pilot=pilot))
+    graph.add_node("generate", lambda state: {"messages": [llm.invoke(state["messages"])]})
+    graph.add_edge(START, "retrieve")
+    graph.add_edge("retrieve", "generate")
+    app = graph.compile(checkpointer=InMemorySaver())
+    app.invoke({"messages": [("user", "Who is on trial?")]}, {"configurable": {"thread_id": "u1"}})
+
+The conversation is the run's ``thread_id`` (or ``conversation_id``/``session_id``). The
+request it prepares travels with the graph run to the model call, like the retriever's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.callbacks import BaseCallbackManager
+from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.retrievers import RetrieverLike
+from langchain_core.runnables import RunnableConfig, ensure_config
+from pydantic import BaseModel, ConfigDict, Field
+
+from contextpilot_integrations import BlockTypeError, ContextPilot
+from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound
+
+from ._binding import deposit
+from ._documents import conversation_id_from_config, to_blocks
+
+__all__ = ["TURN_KEY", "ContextPilotRetrieveNode"]
+
+TURN_KEY = "contextpilot_turn"
+"""Where a context message records its conversation turn (``additional_kwargs``)."""
+
+
+class ContextPilotRetrieveNode(BaseModel):
+    """A graph node: retrieve for the latest user message and replace it by the prompt with
+    the context (same message id, so ``add_messages`` replaces it in the state)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: RetrieverLike
+    pilot: Any = Field(default_factory=ContextPilot)
+    """A :class:`ContextPilot`, a router or a ``MicroBatcher``."""
+    messages_key: str = "messages"
+
+    def _question(self, state: dict[str, Any]) -> tuple[HumanMessage, set[int]]:
+        messages: list[BaseMessage] = list(state.get(self.messages_key) or [])
+        if not messages or not isinstance(messages[-1], HumanMessage) or not isinstance(messages[-1].content, str):
+            raise BlockTypeError("the state's last message must be the user's question (a text HumanMessage)")
+        kept = {
+            message.additional_kwargs[TURN_KEY]
+            for message in messages[:-1]
+            if isinstance(message, HumanMessage) and isinstance(message.additional_kwargs.get(TURN_KEY), int)
+        }
+        return messages[-1], kept
+
+    def _update(self, question: HumanMessage, binding: Binding, config: RunnableConfig) -> dict[str, Any]:
+        callbacks = config.get("callbacks")
+        deposit(callbacks, callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None, binding)
+        turn = {TURN_KEY: binding.prepared.turn} if binding.prepared.turn is not None else {}
+        context = HumanMessage(binding.prepared.render(), id=question.id, additional_kwargs=turn)
+        return {self.messages_key: [context]}
+
+    def __call__(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
+        config = ensure_config(config)
+        question, kept = self._question(state)
+        documents = self.retriever.invoke(str(question.content), config=config)
+        binding = prepare_bound(
+            self.pilot,
+            to_blocks(documents),
+            str(question.content),
+            conversation_id_from_config(config),
+            kept_turns=kept,
+        )
+        return self._update(question, binding, config)
+
+    async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
+        """The node as a coroutine (``graph.add_node("retrieve", node.ainvoke)``)."""
+        config = ensure_config(config)
+        question, kept = self._question(state)
+        documents = await self.retriever.ainvoke(str(question.content), config=config)
+        binding = await aprepare_bound(
+            self.pilot,
+            to_blocks(documents),
+            str(question.content),
+            conversation_id_from_config(config),
+            kept_turns=kept,
+        )
+        return self._update(question, binding, config)

@@ -1,0 +1,201 @@
+"""Drop-in without loss, against a real llama-server: no dangling reference in any wiring, and
+every LLM call sends its own request id and reports to its own prepared request.
+
+Every request body that leaves for the server is recorded (httpx request hooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.chat_engine import ContextChatEngine
+from llama_index.llms.openai_like import OpenAILike
+
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.binding import dangling_references
+from contextpilot_integrations.engines import Router, Target
+from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server
+from llama_index.postprocessor.contextpilot import (
+    ContextPilotBindingWarning,
+    ContextPilotChatEngine,
+    ContextPilotLLM,
+    ContextPilotPostprocessor,
+    SGLangLLM,
+)
+from tests.support import QUESTION
+
+
+class Recorder:
+    """The JSON bodies of every request sent, through real httpx clients."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def _record(self, request: httpx.Request) -> None:
+        with self._lock:
+            self.bodies.append(json.loads(request.content))
+
+    def clients(self) -> dict[str, Any]:
+        async def record(request: httpx.Request) -> None:
+            self._record(request)
+
+        return {
+            "http_client": httpx.Client(event_hooks={"request": [self._record]}),
+            "async_http_client": httpx.AsyncClient(event_hooks={"request": [record]}),
+        }
+
+    def texts(self, body: dict[str, Any]) -> list[str]:
+        return [m["content"] if isinstance(m["content"], str) else "" for m in body["messages"]]
+
+    def dangling(self) -> int:
+        return sum(len(dangling_references(self.texts(body))) for body in self.bodies)
+
+    def references(self) -> int:
+        return sum("\n".join(self.texts(body)).count("Please refer to [Doc_") for body in self.bodies)
+
+    def ids(self) -> list[str]:
+        return [body["rid"] for body in self.bodies]
+
+
+def sglang(llama: LlamaServer, recorder: Recorder, **options: Any) -> SGLangLLM:
+    settings = {"model": "tiny", "api_base": llama.url + "/v1", "max_tokens": 1, "context_window": 8192}
+    return SGLangLLM(**{**settings, **options}, **recorder.clients())
+
+
+def _served_by_each(pilot: ContextPilot, calls: int, recorder: Recorder) -> None:
+    ids = recorder.ids()
+    assert len(ids) == calls and len(set(ids)) == calls  # every id sent is unique
+    stats = pilot.stats()
+    assert stats.requests_prepared == calls and stats.engine_requests == calls  # each report on its own request
+    assert set(ids) == set(pilot.live_request_ids())
+
+
+def test_stock_context_chat_engine_with_the_postprocessor(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    pilot, recorder = ContextPilot(), Recorder()
+    engine = ContextChatEngine.from_defaults(
+        retriever=index.as_retriever(similarity_top_k=3),
+        llm=sglang(llama, recorder),
+        node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)],
+    )
+    for _ in range(3):
+        engine.chat(QUESTION)
+    assert recorder.references() == 0 and recorder.dangling() == 0
+    assert pilot.stats().blocks_referenced == 0  # the stats say what was sent
+    assert pilot.stats().engine_requests == 3 and len(set(recorder.ids())) == 3
+
+
+def test_query_engine_fifty_threads_and_fifty_tasks(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    pilot, recorder = ContextPilot(), Recorder()
+    engine = index.as_query_engine(
+        llm=sglang(llama, recorder), similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+    )
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda _: engine.query(QUESTION), range(50)))
+    _served_by_each(pilot, 50, recorder)
+
+    pilot2, recorder2 = ContextPilot(), Recorder()
+    engine2 = index.as_query_engine(
+        llm=sglang(llama, recorder2), similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot2)]
+    )
+
+    async def fifty() -> None:
+        await asyncio.gather(*(engine2.aquery(QUESTION) for _ in range(50)))
+
+    asyncio.run(fifty())
+    _served_by_each(pilot2, 50, recorder2)
+
+
+def test_router_path_under_fifty_threads(index: VectorStoreIndex, replicas: list[LlamaServer]) -> None:
+    router = Router([Target(f"r{n}", server.url, engine="sglang") for n, server in enumerate(replicas)])
+    recorder = Recorder()
+    llm = SGLangLLM(model="tiny", max_tokens=1, context_window=8192, router=router, **recorder.clients())
+    engine = index.as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=router)]
+    )
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda _: engine.query(QUESTION), range(50)))
+    ids = recorder.ids()
+    assert len(ids) == 50 and len(set(ids)) == 50
+    reported = sum(router.pilot(target).stats().engine_requests for target in router.targets)
+    live = {rid for target in router.targets for rid in router.pilot(target).live_request_ids()}
+    assert reported == 50 and live == set(ids)
+
+
+def test_two_pilots_one_llm(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    recorder = Recorder()
+    llm = sglang(llama, recorder)
+    pilots = [ContextPilot(), ContextPilot()]
+    engines = [
+        index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[ContextPilotPostprocessor(pilot=p)])
+        for p in pilots
+    ]
+    for engine in (engines[0], engines[1], engines[1]):
+        engine.query(QUESTION)
+    assert [p.stats().engine_requests for p in pilots] == [1, 2]
+    assert recorder.ids() == [*pilots[0].live_request_ids(), *pilots[1].live_request_ids()]
+
+
+def test_wrapped_openai_like_reports_cached_tokens(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    pilot, recorder = ContextPilot(), Recorder()
+    inner = OpenAILike(
+        model="tiny", api_base=llama.url + "/v1", api_key="x", max_tokens=1, is_chat_model=True, **recorder.clients()
+    )
+    llm = ContextPilotLLM(llm=inner, engine="sglang")
+    engine = index.as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+    )
+    engine.query(QUESTION)
+    engine.query(QUESTION)
+    stats = pilot.stats()
+    assert stats.engine_requests == 2 and stats.engine_cached_tokens > 0
+    _served_by_each(pilot, 2, recorder)
+    streamed = index.as_query_engine(
+        llm=llm, similarity_top_k=3, streaming=True, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+    ).query(QUESTION)
+    "".join(streamed.response_gen)
+    assert pilot.stats().engine_requests == 3  # the stream's usage reported too
+
+
+def test_an_unbindable_llm_is_named(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    plain = OpenAILike(model="tiny", api_base=llama.url + "/v1", api_key="x", max_tokens=1, is_chat_model=True)
+    with pytest.warns(ContextPilotBindingWarning, match="OpenAILike"):
+        ContextPilotChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=2), llm=plain)
+
+
+def test_our_chat_engine_still_references_only_what_it_sends(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    pilot, recorder = ContextPilot(), Recorder()
+    engine = ContextPilotChatEngine.from_defaults(
+        retriever=index.as_retriever(similarity_top_k=3), llm=sglang(llama, recorder), pilot=pilot
+    )
+    for turn in range(4):
+        engine.chat(f"{QUESTION} ({turn})")
+    assert recorder.references() > 0 and recorder.dangling() == 0
+    assert pilot.stats().engine_requests == 4 and len(set(recorder.ids())) == 4
+
+
+def test_memory_fits_the_model_context_window(index: VectorStoreIndex, tmp_path: Path) -> None:
+    """A 2,048-token model: the stock memory default (30,000 tokens) would overflow by turn 3;
+    the history sent is sized to the window, whole turns left out, their documents resent."""
+    server = tiny_llama_server(tmp_path, pytest.skip, context=2048)
+    try:
+        pilot, recorder = ContextPilot(), Recorder()
+        llm = sglang(server, recorder, context_window=2048, max_tokens=8)
+        engine = ContextPilotChatEngine.from_defaults(
+            retriever=index.as_retriever(similarity_top_k=3), llm=llm, pilot=pilot
+        )
+        for turn in range(10):
+            response = engine.chat(f"{QUESTION} Turn {turn}: please answer in detail.")
+            assert response.metadata["request_id"]
+        assert len(recorder.bodies) == 10 and recorder.dangling() == 0
+        assert len(recorder.bodies[-1]["messages"]) < len(engine.chat_history) + 2  # older turns left out
+    finally:
+        server.stop()

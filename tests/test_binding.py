@@ -1,0 +1,148 @@
+"""Exact binding by run tree, references that always resolve, and the order annotation only
+when the order changed."""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations import Block, ContextPilot, render_block
+from contextpilot_integrations.binding import Binding, RunBinder, dangling_references, restore_references
+
+
+def blocks(*ids: str) -> list[Block]:
+    return [Block(id=i, text=f"text of {i} " * 8) for i in ids]
+
+
+def bound(pilot: ContextPilot, *ids: str) -> Binding:
+    return Binding(pilot, pilot.prepare(blocks(*ids), "q"))
+
+
+# ---- the run tree ------------------------------------------------------------------------------
+def chain_tree(binder: RunBinder) -> None:
+    """root -> parallel -> (retrieve_a -> ret_a, retrieve_b -> ret_b); root -> llm_a, llm_b
+    under branch a and b: seq_a -> (ret_a2, llm_a), seq_b -> (ret_b2, llm_b)."""
+    for run, parent in [
+        ("root", None),
+        ("seq_a", "root"),
+        ("seq_b", "root"),
+        ("ret_a", "seq_a"),
+        ("ret_b", "seq_b"),
+        ("llm_a", "seq_a"),
+        ("llm_b", "seq_b"),
+    ]:
+        binder.started(run, parent)
+
+
+def test_a_model_call_takes_the_deposit_nearest_in_the_tree() -> None:
+    pilot, binder = ContextPilot(), RunBinder()
+    chain_tree(binder)
+    a, b = bound(pilot, "x", "y"), bound(pilot, "x", "y")  # identical retrievals
+    binder.deposit("ret_b", b)
+    binder.deposit("ret_a", a)
+    assert binder.take("llm_b") is b and binder.take("llm_a") is a  # not the latest: the nearest
+    assert binder.take("llm_a") is None  # each deposit is taken once
+    assert binder.take("elsewhere") is None and binder.take(None) is None
+
+
+def test_a_failed_call_is_retaken_under_a_fresh_id() -> None:
+    pilot, binder = ContextPilot(), RunBinder()
+    chain_tree(binder)
+    first = bound(pilot, "x", "y")
+    binder.deposit("ret_a", first)
+    taken = binder.take("llm_a")
+    assert taken is first
+    pilot.discard(first.prepared)
+    binder.failed(first)
+    retry = binder.take("llm_a")
+    assert retry is not None and retry.prepared.request_id != first.prepared.request_id
+    assert pilot.live_request_ids() == [retry.prepared.request_id]
+    assert [b.id for b in retry.prepared.blocks] == [b.id for b in first.prepared.blocks]
+
+
+def test_forgetting_a_subtree_and_the_bounds() -> None:
+    pilot, binder = ContextPilot(), RunBinder(max_runs=3, max_deposits=2)
+    for n in range(5):
+        binder.started(f"r{n}", None)
+        binder.deposit(f"r{n}", bound(pilot, "x"))
+    assert len(binder.untaken()) == 2
+    binder.forget({"r4"})
+    assert len(binder.untaken()) == 1 and binder.take("r4") is None
+    deposit = binder.deposit("r3", bound(pilot, "y"))
+    assert binder.claim(deposit) is not None and binder.claim(deposit) is None and binder.claim("junk") is None
+
+
+def test_concurrent_invocations_never_take_each_others_request() -> None:
+    pilot, binder = ContextPilot(), RunBinder()
+    taken: dict[int, Binding | None] = {}
+    made: dict[int, Binding] = {}
+
+    def invocation(n: int) -> None:
+        binder.started(f"root{n}", None)
+        binder.started(f"ret{n}", f"root{n}")
+        binder.started(f"llm{n}", f"root{n}")
+        made[n] = bound(pilot, "same", "documents")
+        binder.deposit(f"ret{n}", made[n])
+        taken[n] = binder.take(f"llm{n}")
+
+    threads = [threading.Thread(target=invocation, args=(n,)) for n in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(taken[n] is made[n] for n in range(50))
+    assert len({b.prepared.request_id for b in made.values()}) == 50
+
+
+# ---- references always resolve ------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    turns=st.lists(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=5, unique=True), min_size=2, max_size=5),
+    sent=st.data(),
+)
+def test_restored_messages_never_refer_to_what_they_do_not_carry(turns: list[list[str]], sent: st.DataObject) -> None:
+    """A conversation prepared with every turn kept, then sent with any subset of its history:
+    after restoring, no reference dangles and every retrieved block's text is in the request."""
+    pilot = ContextPilot()
+    rendered = [pilot.prepare(blocks(*ids), "q", "c").render() for ids in turns[:-1]]
+    last = pilot.prepare(blocks(*turns[-1]), "q", "c")
+    history = sent.draw(st.lists(st.sampled_from(range(len(rendered))), unique=True).map(sorted))
+    texts = [rendered[i] for i in history] + [last.render()]
+    restored = restore_references(last, texts)
+    pilot.note_restored(last, restored)
+    assert dangling_references(texts) == dangling_references(texts[:-1])  # the new message adds none
+    joined = "\n".join(texts)
+    for block in last.ranking:
+        assert render_block(block) in joined
+    assert pilot.stats().references_restored == len(restored)
+
+
+def test_a_restored_block_can_be_referred_to_from_the_turn_that_carried_it() -> None:
+    pilot = ContextPilot()
+    pilot.prepare(blocks("a", "b"), "q", "c")
+    second = pilot.prepare(blocks("a", "b"), "q", "c")  # references to turn 0
+    assert len(second.references) == 2
+    texts = [second.render()]  # turn 0 is not sent
+    restored = restore_references(second, texts)
+    pilot.note_restored(second, restored)
+    assert sorted(restored) == ["a", "b"] and dangling_references(texts) == []
+    third = pilot.prepare(blocks("a", "b"), "q", "c", kept_turns={1})  # only turn 1 is sent
+    assert [r.turn for r in third.references] == [1, 1]
+
+
+# ---- the order annotation --------------------------------------------------------------------
+def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
+    pilot = ContextPilot()
+    first = pilot.prepare(blocks("a", "b", "c"), "q")
+    assert first.order_annotation == "" and "priority order" not in first.render()
+    reordered = pilot.prepare(blocks("c", "a", "b", "d"), "q")
+    assert [b.id for b in reordered.blocks][:3] == ["a", "b", "c"]
+    assert "[Doc_c] > [Doc_a] > [Doc_b] > [Doc_d]" in reordered.order_annotation
+    chat = ContextPilot()
+    chat.prepare(blocks("a"), "q", "c")
+    later = chat.prepare(blocks("a", "b"), "q", "c")  # a is a reference after b: the order changed
+    assert [b.id for b in later.blocks] == ["b"] and later.order_annotation
+    same = chat.prepare(blocks("e", "a"), "q", "c")  # e sent, then the reference to a: as ranked
+    assert same.order_annotation == ""
