@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["FakeAnthropic", "fake_anthropic"]
+__all__ = ["FakeAnthropic", "broken_stream_server", "fake_anthropic"]
 
 MAX_BODY = 8 << 20
 CHARS_PER_TOKEN = 4
@@ -175,6 +175,44 @@ def fake_anthropic() -> Iterator[FakeAnthropic]:
     thread.start()
     try:
         yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@contextmanager
+def broken_stream_server() -> Iterator[str]:
+    """A fake of an engine that crashes mid-answer: an OpenAI-compatible chat endpoint that
+    starts a streamed (or plain) answer and drops the connection. Yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            delta = {"index": 0, "delta": {"role": "assistant", "content": "par"}}
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [delta]}
+            first = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            self.wfile.write(f"{len(first):x}\r\n".encode() + first + b"\r\n")
+            self.wfile.write(b"400\r\npartial")  # a chunk announced, never finished: the engine died
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="broken-stream", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

@@ -199,3 +199,20 @@ def test_memory_fits_the_model_context_window(index: VectorStoreIndex, tmp_path:
         assert len(recorder.bodies[-1]["messages"]) < len(engine.chat_history) + 2  # older turns left out
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_dying_mid_answer_raises_the_cores_error(stream: bool, index: VectorStoreIndex) -> None:
+    from contextpilot_integrations.errors import EngineUnavailable
+    from contextpilot_integrations.whatif.fake_providers import broken_stream_server
+
+    with broken_stream_server() as url:
+        pilot = ContextPilot()
+        llm = SGLangLLM(model="tiny", api_base=url + "/v1", max_retries=0, context_window=8192)
+        engine = index.as_query_engine(
+            llm=llm, similarity_top_k=2, streaming=stream, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+        )
+        with pytest.raises(EngineUnavailable, match="connection"):
+            response = engine.query(QUESTION)
+            "".join(response.response_gen) if stream else None
+        assert pilot.stats().live_requests == 0  # the failed request is forgotten

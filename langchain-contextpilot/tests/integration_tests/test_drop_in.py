@@ -321,3 +321,54 @@ def test_a_reference_whose_turn_is_not_sent_goes_out_as_text(llama: LlamaServer,
     chain.invoke(QUERY, config=config)  # prepared with references, sent with their texts
     assert recorder.references() == 0 and recorder.dangling() == 0
     assert pilot.stats().references_restored == 4 and pilot.stats().blocks_referenced == 4
+
+
+def test_wrapped_chat_anthropic_reports_cache_reads() -> None:
+    """ChatAnthropic against a local fake of Anthropic's Messages API (the hosted API cannot be
+    reached here): the fake caches up to the prompt's cache_control breakpoint."""
+    from langchain_anthropic import ChatAnthropic
+
+    from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "Answer from the context."),
+            (
+                "user",
+                [
+                    {"type": "text", "text": "{context}", "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "Question: {question}"},
+                ],
+            ),
+        ]
+    )
+    with fake_anthropic() as fake:
+        pilot = ContextPilot()
+        llm = ContextPilotChatModel(
+            llm=ChatAnthropic(model="claude-fake", base_url=fake.url, api_key="x", max_tokens=5)
+        )
+        retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=4, max_chars=300), pilot=pilot)
+        chain = (
+            {"context": retriever | RunnableLambda(format_documents), "question": RunnablePassthrough()} | prompt | llm
+        )
+        first, second = chain.invoke(QUERY), chain.invoke(QUERY + " Briefly.")
+        assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+        read = second.usage_metadata["input_token_details"]["cache_read"]
+        assert read == fake.usage(fake.requests[-1])["cache_read_input_tokens"] > 0  # the fake's own count
+        stats = pilot.stats()
+        assert stats.engine_requests == 2 and stats.engine_cached_tokens == read
+        assert "".join(str(chunk.content) for chunk in chain.stream(QUERY)) and pilot.stats().engine_requests == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_dying_mid_answer_raises_the_cores_error(stream: bool, documents: Any) -> None:
+    from contextpilot_integrations.errors import EngineUnavailable
+    from contextpilot_integrations.whatif.fake_providers import broken_stream_server
+
+    with broken_stream_server() as url:
+        pilot = ContextPilot()
+        llm = ChatSGLang(model="tiny", base_url=url + "/v1", max_retries=0, streaming=stream)
+        chain = readme_chain(ContextPilotRetriever(base_retriever=documents, pilot=pilot), llm)
+        with pytest.raises(EngineUnavailable, match="connection"):
+            list(chain.stream(QUERY)) if stream else chain.invoke(QUERY)
+        assert pilot.stats().live_requests == 0  # the failed request is forgotten
