@@ -10,7 +10,9 @@ Sequence numbers, per publisher (one engine process and data-parallel rank):
 - a publisher id not seen before is a new engine process (a restart gets a new id). Its
   first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
   which resets the index; a new publisher whose first batch is not number 0 has lost
-  events, which resets it too.
+  events, which resets it too;
+- a transport that cannot tell processes apart by id (ZMQ: the same address, numbers
+  starting again at 0) calls :meth:`KvEventSink.restarted` when the numbers go back.
 
 ``AllBlocksCleared`` (engine restart, ``/flush_cache``) always resets the index.
 """
@@ -41,6 +43,8 @@ class SinkStats(BaseModel):
     sequence_gaps: int = 0
     index_resets: int = 0
     publishers: int = 0
+    publisher_restarts: int = 0
+    """Publishers whose numbers went back (a new engine process at the same address)."""
     requests_shortened: int = 0
     requests_evicted: int = 0
     requests_untracked: int = 0
@@ -128,13 +132,25 @@ class KvEventSink:
                 self._latencies.append(max(0.0, time.time() - batch.ts))
             return True
 
-    def lost(self, publisher: str, seq: int) -> None:
-        """A batch arrived that cannot be read: its events are lost, so nothing is confirmed."""
+    def lost(self, publisher: str, seq: int | None) -> None:
+        """A batch arrived that cannot be read: its events are lost, so nothing is confirmed.
+        ``seq`` (if known) counts as applied."""
         with self._lock:
             self._stats.sequence_gaps += 1
             self._reset()
+            if seq is not None:
+                for source in [source for source in self._last_seq if source[0] == publisher]:
+                    self._last_seq[source] = seq
+
+    def restarted(self, publisher: str) -> None:
+        """The publisher's numbers went back: a new engine process under the same name. Its
+        cache starts empty, so the index is reset, and its numbers are followed afresh."""
+        with self._lock:
+            self._stats.publisher_restarts += 1
+            self._reset()
             for source in [source for source in self._last_seq if source[0] == publisher]:
-                self._last_seq[source] = seq
+                del self._last_seq[source]
+            self._stats.publishers = len(self._last_seq)
 
     def evict(self, request_ids: list[str]) -> int:
         with self._lock:
