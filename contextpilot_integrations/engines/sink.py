@@ -53,6 +53,8 @@ class SinkStats(BaseModel):
     rejected: int = 0
     connections_refused: int = 0
     idle_connections_closed: int = 0
+    slow_requests_closed: int = 0
+    """Connections closed because a request's head or body did not arrive in time."""
     tracked_requests: int = 0
     engine_blocks: int = 0
     latency_p50_ms: float | None = None
