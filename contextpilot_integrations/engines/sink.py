@@ -46,6 +46,7 @@ class SinkStats(BaseModel):
     publisher_restarts: int = 0
     """Publishers whose numbers went back (a new engine process at the same address)."""
     requests_shortened: int = 0
+    """Requests whose prediction a batch shortened (each counted once per batch)."""
     requests_evicted: int = 0
     requests_untracked: int = 0
     """Requests dropped from the index because the block map's bounds forgot them."""
@@ -116,6 +117,7 @@ class KvEventSink:
             while len(self._last_seq) > self.max_publishers:
                 self._last_seq.popitem(last=False)
             stats.publishers = len(self._last_seq)
+            shortened_here: set[str] = set()  # vLLM sends one removal per block: count requests once
             for event in batch.events:
                 if isinstance(event, BlockStoredEvent):
                     grown, shortened = self.block_map.stored(
@@ -123,11 +125,12 @@ class KvEventSink:
                     )
                     for request_id, tokens in grown.items():
                         self.pilot.restore(request_id, self.block_map.blocks_within(request_id, tokens))
-                    self._shorten(shortened)
+                    shortened_here |= self._shorten(shortened)
                 elif isinstance(event, BlockRemovedEvent):
-                    self._shorten(self.block_map.removed(event.block_hashes, event.medium))
+                    shortened_here |= self._shorten(self.block_map.removed(event.block_hashes, event.medium))
                 else:
                     self._reset()
+            stats.requests_shortened += len(shortened_here)
             stats.batches += 1
             stats.events += len(batch.events)
             if batch.ts is not None:
@@ -183,11 +186,14 @@ class KvEventSink:
                 update["latency_p99_ms"] = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
             return self._stats.model_copy(update=update)
 
-    def _shorten(self, cached: dict[str, int]) -> None:
+    def _shorten(self, cached: dict[str, int]) -> set[str]:
+        """Truncate these requests' predictions; returns those that were live."""
+        shortened = set()
         for request_id, tokens in cached.items():
             keep = self.block_map.blocks_within(request_id, tokens)
             if keep is not None and self.pilot.truncate(request_id, keep):
-                self._stats.requests_shortened += 1
+                shortened.add(request_id)
+        return shortened
 
     def _evict_untracked(self) -> None:
         dropped = self.block_map.take_dropped()

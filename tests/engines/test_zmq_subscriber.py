@@ -34,9 +34,10 @@ def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
 
 
 class Dropper:
-    """Forwards [topic, seq, payload] from a publisher to a subscriber, losing chosen seqs."""
+    """Forwards [topic, seq, payload] from a publisher to a subscriber, losing chosen seqs
+    (or holding them back until :meth:`release`)."""
 
-    def __init__(self, upstream: str, drop: set[int]) -> None:
+    def __init__(self, upstream: str, drop: set[int], hold: frozenset[int] = frozenset()) -> None:
         context = zmq.Context.instance()
         self.sub = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -46,18 +47,29 @@ class Dropper:
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.drop = drop
+        self.hold = hold
+        self.held: list[list[bytes]] = []
         self.forwarded = 0
+        self._release = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._release.is_set() and self.held:
+                self.pub.send_multipart(self.held.pop(0))
             if self.sub.poll(50):
                 frames = self.sub.recv_multipart()
-                if int.from_bytes(frames[1], "big", signed=True) not in self.drop:
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq in self.hold:
+                    self.held.append(frames)
+                elif seq not in self.drop:
                     self.pub.send_multipart(frames)
                     self.forwarded += 1
+
+    def release(self) -> None:
+        self._release.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -420,3 +432,135 @@ def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple
     assert not subscriber._thread.is_alive()
     assert subscriber.snapshot().batches == 1 and subscriber.snapshot().last_seq == 0
     assert pilot.stats().live_requests == 1 and sink.stats().index_resets == 0
+
+
+# ---- issue 24, item 3 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple[int, int], replay: bool) -> None:
+    """SGLang publishes batch 0 (``AllBlocksCleared``) when it builds its cache, before a
+    subscriber's subscription takes effect: it is fetched from the replay socket, and without
+    one the loss is counted."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    cache, _ = build_cache("unified-rust", capacity=48)
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # nobody listens yet
+    time.sleep(0.2)
+    subscriber = ZmqEventSubscriber(
+        sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint if replay else None
+    )
+    time.sleep(0.5)
+    try:
+        pilot.prepare(["alpha"], "q")
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().last_seq == 1, seconds=5)
+    finally:
+        subscriber.stop()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    if replay:
+        assert seen.batches == 2 and seen.recovered_gaps == 1 and seen.replayed_batches == 1
+        assert sink.stats().index_resets == 1  # by the AllBlocksCleared it fetched
+    else:
+        assert seen.batches == 1 and seen.unrecovered_gaps == 1
+        assert sink.stats().sequence_gaps == 1 and pilot.stats().live_requests == 0
+
+
+def test_heartbeat_fetches_a_lost_last_batch(ports: tuple[int, int]) -> None:
+    """The last batch is lost and nothing follows: with ``heartbeat`` the silence asks the
+    replay socket, instead of the loss waiting for the next batch to be noticed."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    sink = KvEventSink(ContextPilot())
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", {2})
+    subscriber = ZmqEventSubscriber(sink, dropper.endpoint, replay_endpoint=replay_endpoint, heartbeat=0.3)
+    time.sleep(0.5)
+    try:
+        for _ in range(3):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 4, seconds=5)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    assert seen.heartbeats >= 1 and seen.replayed_batches == 1 and seen.last_seq == 3
+    assert seen.restarts == 0 and sink.stats().index_resets == 0
+
+
+def test_a_batch_both_replayed_and_received_live_is_a_duplicate_not_a_restart(ports: tuple[int, int]) -> None:
+    """Batch 2 is late: the heartbeat fetches it from the replay socket, then the live copy
+    comes. Same number, same bytes: a duplicate; a number going back is otherwise a restart."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", set(), hold=frozenset({2}))
+    subscriber = ZmqEventSubscriber(sink, dropper.endpoint, replay_endpoint=replay_endpoint, heartbeat=0.3)
+    time.sleep(0.5)
+    try:
+        for _ in range(3):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)  # 2 came from the replay
+        pilot.prepare(["alpha"], "q")
+        dropper.release()
+        wait_until(lambda: subscriber.snapshot().duplicates == 1, seconds=5)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    assert seen.restarts == 0 and seen.last_seq == 2 and pilot.stats().live_requests == 1
+
+
+def test_requests_shortened_counts_requests_not_removals(ports: tuple[int, int]) -> None:
+    """vLLM sends one ``BlockRemoved`` per block: a batch evicting a request's three blocks
+    shortens one request (it counted three)."""
+    kv = vllm_classes()
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    sub_port, _ = ports
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{sub_port}", bind=True)
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{sub_port}")  # type: ignore[attr-defined]
+    time.sleep(0.5)
+    tokens = list(range(1, 13))
+    hashes = [hashlib.sha256(repr(tokens[:end]).encode()).digest() for end in (4, 8, 12)]
+    try:
+        prepared = pilot.prepare([Block(id=name, text=name, tokens=4) for name in "abc"], "q")
+        sink.track(prepared.request_id, tokens, [4, 8, 12])
+        stored = kv.BlockStored(  # type: ignore[attr-defined]
+            block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=4,
+            lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[stored]))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        removed = [kv.BlockRemoved(block_hashes=[h], medium="GPU") for h in reversed(hashes)]  # type: ignore[attr-defined]
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=removed))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 2)
+    finally:
+        publisher.shutdown()
+        subscriber.stop()
+    assert pilot.stats().live_requests == 0 and sink.stats().requests_shortened == 1
