@@ -178,13 +178,16 @@ class ZmqEventSubscriber:
             return SubscriberStats(**vars(self.stats))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread; it closes its socket. Nothing reaches the sink after this returns."""
+        """Stop the thread; it closes its socket. Nothing reaches the sink after this returns.
+
+        Every wait of the thread is cut in short slices, so it ends within about 50 ms,
+        unless the sink is still applying a batch: that one is waited for."""
         self._stopping.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("contextpilot: ZMQ subscriber %s still applying after %.0f s", self.name, timeout)
         with self._work:
             pass  # a batch being applied finishes; none starts after this (see _to_sink)
-        self._thread.join(timeout)
-        if self._thread.is_alive():  # only if the sink itself hangs: it applies nothing more
-            logger.warning("contextpilot: ZMQ subscriber %s did not stop within %.0f s", self.name, timeout)
 
     def __enter__(self) -> ZmqEventSubscriber:
         return self
