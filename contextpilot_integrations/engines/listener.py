@@ -11,13 +11,17 @@ batches over ``max_batch_blocks`` blocks (413), non-JSON content types (415), fo
 ``Host`` headers on a loopback bind and any ``Origin`` header (403: DNS rebinding and
 cross-site requests from browser pages); closes connections idle for ``idle_timeout``
 seconds and, at ``max_connections``, closes the longest-idle one to admit a new client
-(503 when all are busy); and answers every malformed request with 400, never a traceback.
+(503 when all are busy); gives a request ``header_timeout`` seconds from its first byte to
+the end of its head and ``body_timeout`` more for its body, so a client dripping a header
+line at a time cannot keep a connection busy (closed; 408 for a late body); and answers
+every malformed request with 400, never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import json
 import logging
 import math
@@ -67,6 +71,8 @@ class _Server(ThreadingHTTPServer):
         max_batch_blocks: int,
         max_connections: int,
         idle_timeout: float,
+        header_timeout: float,
+        body_timeout: float,
         loopback: bool,
     ) -> None:
         super().__init__(address, _Handler)
@@ -76,6 +82,8 @@ class _Server(ThreadingHTTPServer):
         self.max_batch_blocks = max_batch_blocks
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
         self.loopback = loopback
         self.stopped = False
         self._connections: dict[socket.socket, float | None] = {}  # socket -> idle since (None: busy)
@@ -138,6 +146,50 @@ def _close_quietly(connection: socket.socket) -> None:
     connection.close()
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, each within the idle timeout, and all of a request's within its
+    deadline: the head ``header_timeout`` seconds from its first byte, the body
+    ``body_timeout`` from the end of the head. Past it a read raises ``TimeoutError`` (the
+    connection is closed), however steadily the client drips bytes."""
+
+    def __init__(self, connection: socket.socket, idle_timeout: float) -> None:
+        super().__init__()
+        self._connection = connection
+        self._idle = idle_timeout
+        self._deadline: float | None = None
+        self._head_budget: float | None = None  # starts the deadline when a request's first byte comes
+        self.expired = False
+
+    def readable(self) -> bool:
+        return True
+
+    def await_request(self, header_timeout: float) -> None:
+        self._deadline, self._head_budget, self.expired = None, header_timeout, False
+
+    def expect_body(self, body_timeout: float) -> None:
+        self._deadline, self._head_budget = time.monotonic() + body_timeout, None
+
+    def readinto(self, buffer: Any) -> int:
+        timeout, limited = self._idle, False
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self.expired = True
+                raise TimeoutError("the request was not received in time")
+            timeout, limited = min(left, self._idle), left < self._idle
+        self._connection.settimeout(timeout)
+        try:
+            received = self._connection.recv_into(buffer)
+        except TimeoutError:
+            self.expired = self.expired or limited
+            raise
+        finally:
+            self._connection.settimeout(self._idle)  # writes keep the idle timeout
+        if received and self._deadline is None and self._head_budget is not None:
+            self._deadline = time.monotonic() + self._head_budget  # the request's first byte
+        return received
+
+
 class _BadRequest(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -157,16 +209,25 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.idle_timeout)  # per connection: idle clients go
+        self.rfile.close()
+        self._reader = _DeadlineReader(self.connection, self.server.idle_timeout)
+        self.rfile = io.BufferedReader(self._reader)
 
     def handle_one_request(self) -> None:
+        self._reader.await_request(self.server.header_timeout)
         try:
-            super().handle_one_request()
+            super().handle_one_request()  # a TimeoutError while reading the head closes the connection
         finally:
             self.server.mark(self.connection, busy=False)
+            if self._reader.expired:
+                self.close_connection = True
+                self.server.sink.count("slow_requests_closed")
 
     def parse_request(self) -> bool:
         self.server.mark(self.connection, busy=True)  # the request line came: not idle
-        return super().parse_request()
+        parsed = super().parse_request()
+        self._reader.expect_body(self.server.body_timeout)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: counted in /stats instead
@@ -208,7 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, {"evicted": known})
         except _BadRequest as exc:
             sink.reject()
-            self._reply(exc.status, {"error": str(exc)}, close=exc.status in (411, 413, 503))
+            self._reply(exc.status, {"error": str(exc)}, close=exc.status in (408, 411, 413, 503))
         except ValidationError as exc:
             sink.reject()
             error = exc.errors()[0]
@@ -249,7 +310,10 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadRequest(411, "Content-Length required (a decimal number)")
         if int(length) > self.server.max_body_bytes:
             raise _BadRequest(413, f"body over {self.server.max_body_bytes} bytes")
-        body = self.rfile.read(int(length))
+        try:
+            body = self.rfile.read(int(length))
+        except TimeoutError:
+            raise _BadRequest(408, f"the body did not arrive within {self.server.body_timeout:g} s") from None
         try:
             return json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
@@ -258,7 +322,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _drain(self) -> None:
         length = self.headers.get("Content-Length", "0")
         if _CONTENT_LENGTH.fullmatch(length) and int(length) <= self.server.max_body_bytes:
-            self.rfile.read(int(length))
+            try:
+                self.rfile.read(int(length))
+            except TimeoutError:
+                self.close_connection = True
         else:
             self.close_connection = True
 
@@ -295,7 +362,9 @@ class EvictionListener:
         max_batch_blocks: event batches naming more blocks are refused with 413.
         max_connections: open connections at most; at the bound the longest-idle one is
             closed for a new client, and new clients get 503 when none is idle.
-        idle_timeout: seconds a connection may wait for (the rest of) a request.
+        idle_timeout: seconds a connection may wait for a request, or between its bytes.
+        header_timeout: seconds from a request's first byte to the end of its head.
+        body_timeout: seconds from the end of a request's head to the end of its body.
         page_size: the engine's page size, if known before the first event.
         block_map: the engine block map to use (to choose its memory bounds).
     """
@@ -311,6 +380,8 @@ class EvictionListener:
         max_batch_blocks: int = 262_144,
         max_connections: int = 256,
         idle_timeout: float = 30.0,
+        header_timeout: float = 5.0,
+        body_timeout: float = 10.0,
         page_size: int | None = None,
         block_map: EngineBlockMap | None = None,
     ) -> None:
@@ -319,8 +390,11 @@ class EvictionListener:
         loopback = host in LOOPBACK_HOSTS
         if not loopback and token is None:
             raise ValueError(f"binding {host} needs a token: anyone who can reach it could reset the index")
-        if max_connections < 1 or idle_timeout <= 0 or not math.isfinite(idle_timeout):
-            raise ValueError("max_connections must be >= 1 and idle_timeout a positive number of seconds")
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        for name, seconds in (("idle", idle_timeout), ("header", header_timeout), ("body", body_timeout)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name}_timeout must be a positive number of seconds")
         self.sink = KvEventSink(pilot, block_map if block_map is not None else EngineBlockMap(page_size))
         self._server = _Server(
             (host, port),
@@ -330,6 +404,8 @@ class EvictionListener:
             max_batch_blocks=max_batch_blocks,
             max_connections=max_connections,
             idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
             loopback=loopback,
         )
         self._thread = threading.Thread(target=self._server.serve_forever, name="contextpilot-events", daemon=True)

@@ -10,7 +10,9 @@ Sequence numbers, per publisher (one engine process and data-parallel rank):
 - a publisher id not seen before is a new engine process (a restart gets a new id). Its
   first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
   which resets the index; a new publisher whose first batch is not number 0 has lost
-  events, which resets it too.
+  events, which resets it too;
+- a transport that cannot tell processes apart by id (ZMQ: the same address, numbers
+  starting again at 0) calls :meth:`KvEventSink.restarted` when the numbers go back.
 
 ``AllBlocksCleared`` (engine restart, ``/flush_cache``) always resets the index.
 """
@@ -41,7 +43,10 @@ class SinkStats(BaseModel):
     sequence_gaps: int = 0
     index_resets: int = 0
     publishers: int = 0
+    publisher_restarts: int = 0
+    """Publishers whose numbers went back (a new engine process at the same address)."""
     requests_shortened: int = 0
+    """Requests whose prediction a batch shortened (each counted once per batch)."""
     requests_evicted: int = 0
     requests_untracked: int = 0
     """Requests dropped from the index because the block map's bounds forgot them."""
@@ -49,6 +54,8 @@ class SinkStats(BaseModel):
     rejected: int = 0
     connections_refused: int = 0
     idle_connections_closed: int = 0
+    slow_requests_closed: int = 0
+    """Connections closed because a request's head or body did not arrive in time."""
     tracked_requests: int = 0
     engine_blocks: int = 0
     latency_p50_ms: float | None = None
@@ -110,6 +117,7 @@ class KvEventSink:
             while len(self._last_seq) > self.max_publishers:
                 self._last_seq.popitem(last=False)
             stats.publishers = len(self._last_seq)
+            shortened_here: set[str] = set()  # vLLM sends one removal per block: count requests once
             for event in batch.events:
                 if isinstance(event, BlockStoredEvent):
                     grown, shortened = self.block_map.stored(
@@ -117,24 +125,37 @@ class KvEventSink:
                     )
                     for request_id, tokens in grown.items():
                         self.pilot.restore(request_id, self.block_map.blocks_within(request_id, tokens))
-                    self._shorten(shortened)
+                    shortened_here |= self._shorten(shortened)
                 elif isinstance(event, BlockRemovedEvent):
-                    self._shorten(self.block_map.removed(event.block_hashes, event.medium))
+                    shortened_here |= self._shorten(self.block_map.removed(event.block_hashes, event.medium))
                 else:
                     self._reset()
+            stats.requests_shortened += len(shortened_here)
             stats.batches += 1
             stats.events += len(batch.events)
             if batch.ts is not None:
                 self._latencies.append(max(0.0, time.time() - batch.ts))
             return True
 
-    def lost(self, publisher: str, seq: int) -> None:
-        """A batch arrived that cannot be read: its events are lost, so nothing is confirmed."""
+    def lost(self, publisher: str, seq: int | None) -> None:
+        """A batch arrived that cannot be read: its events are lost, so nothing is confirmed.
+        ``seq`` (if known) counts as applied."""
         with self._lock:
             self._stats.sequence_gaps += 1
             self._reset()
+            if seq is not None:
+                for source in [source for source in self._last_seq if source[0] == publisher]:
+                    self._last_seq[source] = seq
+
+    def restarted(self, publisher: str) -> None:
+        """The publisher's numbers went back: a new engine process under the same name. Its
+        cache starts empty, so the index is reset, and its numbers are followed afresh."""
+        with self._lock:
+            self._stats.publisher_restarts += 1
+            self._reset()
             for source in [source for source in self._last_seq if source[0] == publisher]:
-                self._last_seq[source] = seq
+                del self._last_seq[source]
+            self._stats.publishers = len(self._last_seq)
 
     def evict(self, request_ids: list[str]) -> int:
         with self._lock:
@@ -165,11 +186,14 @@ class KvEventSink:
                 update["latency_p99_ms"] = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
             return self._stats.model_copy(update=update)
 
-    def _shorten(self, cached: dict[str, int]) -> None:
+    def _shorten(self, cached: dict[str, int]) -> set[str]:
+        """Truncate these requests' predictions; returns those that were live."""
+        shortened = set()
         for request_id, tokens in cached.items():
             keep = self.block_map.blocks_within(request_id, tokens)
             if keep is not None and self.pilot.truncate(request_id, keep):
-                self._stats.requests_shortened += 1
+                shortened.add(request_id)
+        return shortened
 
     def _evict_untracked(self) -> None:
         dropped = self.block_map.take_dropped()

@@ -188,8 +188,8 @@ def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
     """A native ZMQ payload (SGLang or vLLM ``KVEventBatch``, msgpack) as a validated batch.
 
     Raises:
-        ValueError: the payload is not a batch (malformed msgpack, wrong shape, or an
-            event that fails validation).
+        ValueError: the payload is not a batch (malformed or too deeply nested msgpack,
+            wrong shape, or an event that fails validation).
     """
     import msgspec
 
@@ -197,6 +197,8 @@ def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed msgpack: {exc}") from None
+    except RecursionError:  # msgspec recurses per level of nesting
+        raise ValueError("msgpack nested too deeply") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise ValueError("a batch is [ts, [events...], dp_rank]")
     ts, events = raw[0], raw[1]
@@ -218,4 +220,6 @@ def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise ValueError(f"invalid batch: {where}: {error['msg']}") from None
+    except RecursionError:
+        raise ValueError("batch nested too deeply") from None
     return DecodedBatch(batch, unknown, other_groups)

@@ -3,6 +3,7 @@ raw sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -302,3 +303,65 @@ def test_after_stop_a_keep_alive_connection_applies_nothing() -> None:
         http.post(running.url + "/evict", json={"request_ids": [rid]})
     http.close()
     assert pilot.live_request_ids() == [rid]
+
+
+# ---- issue 20, item 10: a request's head and body are read within a deadline -------------------------
+def test_dripped_headers_cannot_hold_the_server() -> None:
+    """Clients that send a request line, then a header line every 0.2 s (well inside the idle
+    timeout), held every connection busy: /health answered 503 as long as they dripped."""
+    with EvictionListener(ContextPilot(), max_connections=8, idle_timeout=5.0, header_timeout=0.5) as running:
+        host, port = running._server.server_address[:2]
+        dripping = threading.Event()
+        drips: list[socket.socket] = []
+        for _ in range(30):  # 8 are admitted (busy); the rest get 503
+            sock = socket.create_connection((host, port), timeout=2)
+            sock.sendall(b"POST /evict HTTP/1.1\r\n")
+            drips.append(sock)
+
+        def drip() -> None:
+            while not dripping.wait(0.2):
+                for sock in drips:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"X-Drip: 1\r\n")
+
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        started = time.monotonic()
+        try:
+            while httpx.get(running.url + "/health", timeout=2).status_code != 200:
+                assert time.monotonic() - started < 3.0, "/health still refused while headers drip"
+                time.sleep(0.05)
+            recovered = time.monotonic() - started
+            assert running.sink.stats().slow_requests_closed >= 8
+            assert httpx.get(running.url + "/health", timeout=2).status_code == 200  # and stays served
+        finally:
+            dripping.set()
+            dripper.join(timeout=5)
+            for sock in drips:
+                sock.close()
+    assert recovered < 3.0
+
+
+def test_a_dripped_body_is_cut_off_with_408() -> None:
+    with EvictionListener(ContextPilot(), body_timeout=0.5) as running:
+        host, port = running._server.server_address[:2]
+        with socket.create_connection((host, port), timeout=5) as sock:
+            sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n")
+            started = time.monotonic()
+            answer = b""
+            while not answer and time.monotonic() - started < 4:
+                sock.sendall(b" ")  # one byte every 0.1 s: never idle, never done
+                sock.settimeout(0.1)
+                with contextlib.suppress(TimeoutError):
+                    answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert time.monotonic() - started < 2.0
+        assert running.sink.stats().slow_requests_closed == 1
+        assert httpx.get(running.url + "/health", timeout=2).status_code == 200
+
+
+@pytest.mark.parametrize("option", ["idle_timeout", "header_timeout", "body_timeout"])
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
+def test_timeouts_must_be_positive_and_finite(option: str, seconds: float) -> None:
+    with pytest.raises(ValueError, match=option):
+        EvictionListener(ContextPilot(), **{option: seconds})  # type: ignore[arg-type]

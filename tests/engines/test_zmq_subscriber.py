@@ -34,9 +34,10 @@ def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
 
 
 class Dropper:
-    """Forwards [topic, seq, payload] from a publisher to a subscriber, losing chosen seqs."""
+    """Forwards [topic, seq, payload] from a publisher to a subscriber, losing chosen seqs
+    (or holding them back until :meth:`release`)."""
 
-    def __init__(self, upstream: str, drop: set[int]) -> None:
+    def __init__(self, upstream: str, drop: set[int], hold: frozenset[int] = frozenset()) -> None:
         context = zmq.Context.instance()
         self.sub = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -46,18 +47,29 @@ class Dropper:
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.drop = drop
+        self.hold = hold
+        self.held: list[list[bytes]] = []
         self.forwarded = 0
+        self._release = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._release.is_set() and self.held:
+                self.pub.send_multipart(self.held.pop(0))
             if self.sub.poll(50):
                 frames = self.sub.recv_multipart()
-                if int.from_bytes(frames[1], "big", signed=True) not in self.drop:
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq in self.hold:
+                    self.held.append(frames)
+                elif seq not in self.drop:
                     self.pub.send_multipart(frames)
                     self.forwarded += 1
+
+    def release(self) -> None:
+        self._release.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -177,7 +189,7 @@ def test_vllm_zmq_events_with_bytes_hashes(ports: tuple[int, int]) -> None:
         sink, f"tcp://127.0.0.1:{sub_port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
     )
     publisher = kv.ZmqEventPublisher(  # type: ignore[attr-defined]
-        data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{sub_port}", replay_endpoint=f"tcp://*:{replay_port}"
+        data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{sub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
     )
     time.sleep(0.5)
 
@@ -248,3 +260,307 @@ def test_bad_messages_are_counted_and_the_subscriber_keeps_running(ports: tuple[
     time.sleep(0.3)
     silent.stop()
     assert silent.snapshot().batches == 0
+
+
+# ---- issue 20, items 7-9 ---------------------------------------------------------------------
+
+
+def test_a_restarted_engine_resets_the_index_and_its_new_stream_is_applied(ports: tuple[int, int]) -> None:
+    """SGLang's real cache and publisher: the old engine reaches seq 20, a new one on the same
+    ports starts again at 0 (``AllBlocksCleared``) then 1-5. Its numbers going back mean a
+    new publisher: the index is reset and the new stream applied, not dropped as duplicates."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    rng = random.Random(11)
+    sizes, tokens_of, blocks, weights = block_workload(random.Random(11))
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot, EngineBlockMap(page_size=1))
+    pub_port, replay_port = ports
+    where = {"endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+    subscriber = ZmqEventSubscriber(sink, where["endpoint"], replay_endpoint=where["replay_endpoint"])
+    orders: list[list[str]] = []
+
+    def start_engine() -> tuple[object, object, object]:
+        cache, allocator = build_cache("unified-rust", capacity=400)
+        publisher = ZmqEventPublisher(attn_dp_rank=0, bind=True, **where)
+        time.sleep(0.5)  # the subscriber (re)connects
+        publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # seq 0: AllBlocksCleared
+        wait_until(lambda: subscriber.snapshot().last_seq == 0, seconds=5)  # the old code: stays at 20
+        return cache, allocator, publisher
+
+    def serve(cache: object, allocator: object, publisher: object, requests: int) -> None:
+        for _ in range(requests):
+            chosen = list(dict.fromkeys(rng.choices(list(sizes), weights, k=rng.randint(2, 5))))
+            prepared = pilot.prepare([blocks[b] for b in chosen], "q")
+            order = [b.id for b in prepared.blocks]
+            tokens, ends = layout(order, tokens_of)
+            serve_tokens(cache, allocator, tokens)
+            sink.track(prepared.request_id, tokens, ends)
+            publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # type: ignore[attr-defined]
+            orders.append(order)
+
+    def agreement(cache: object) -> list[tuple[int, int]]:
+        """(predicted, held by the engine) leading blocks for every order served so far."""
+        pairs = []
+        for order in orders:
+            tokens, ends = layout(order, tokens_of)
+            actual = sum(1 for end in ends if end <= match_tokens(cache, tokens))
+            pairs.append((pilot.predicted_cached_blocks(order), actual))
+        return pairs
+
+    old = start_engine()
+    new: tuple[object, ...] = ()
+    try:
+        serve(*old, requests=20)  # seqs 1..20
+        wait_until(lambda: subscriber.snapshot().last_seq == 20)
+        assert pilot.stats().live_requests == 20
+        held = agreement(old[0])
+        assert all(predicted == actual for predicted, actual in held) and sum(a for _, a in held) > 0
+        old[2].shutdown()  # type: ignore[attr-defined]
+        new = start_engine()
+        serve(*new, requests=5)  # seqs 1..5 of the new engine
+        wait_until(lambda: subscriber.snapshot().batches == 27, seconds=5)
+    finally:
+        subscriber.stop()
+        for engine in (old, new):
+            if engine:
+                engine[2].shutdown()  # type: ignore[attr-defined]
+    seen, stats = subscriber.snapshot(), sink.stats()
+    assert seen.restarts == 1 and seen.duplicates == 0 and seen.last_seq == 5
+    assert stats.duplicate_batches == 0 and stats.publisher_restarts == 1 and stats.index_resets >= 1
+    # the index follows the new engine: nothing only the old one held is predicted
+    assert all(predicted == actual for predicted, actual in agreement(new[0]))
+
+
+def batch(events: list[object] | None = None) -> bytes:
+    return msgspec.msgpack.encode([time.time(), events or [], 0])
+
+
+def test_a_number_far_ahead_resets_without_allocating_for_the_gap(ports: tuple[int, int]) -> None:
+    """A gap larger than any replay buffer cannot be recovered: the index resets, the batch is
+    applied and the stream continues from it, in memory that does not grow with the gap."""
+    import tracemalloc
+
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    never_answers = f"tcp://127.0.0.1:{replay_port}"  # a replay socket would not be asked at all
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=never_answers)
+    time.sleep(0.5)
+
+    def send(seq: int) -> None:
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), batch()])
+
+    tracemalloc.start()
+    try:
+        send(0)
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha", "beta"], "q")
+        tracemalloc.reset_peak()
+        send(10_000_000)
+        wait_until(lambda: subscriber.snapshot().batches == 2)
+        peak = tracemalloc.get_traced_memory()[1]
+        assert peak < 5_000_000, f"{peak / 1e6:.0f} MB for a gap of 10M"  # was 380 MB
+        assert pilot.stats().live_requests == 0  # reset: those events are gone
+        pilot.prepare(["gamma"], "q")
+        send(2**40)  # was a MemoryError on every message from then on
+        send(2**40 + 1)
+        wait_until(lambda: subscriber.snapshot().batches == 4)
+    finally:
+        tracemalloc.stop()
+        subscriber.stop()
+        pub.close(linger=0)
+    seen = subscriber.snapshot()
+    assert seen.last_seq == 2**40 + 1 and seen.unrecovered_gaps == 2 and seen.replay_failures == 0
+    assert sink.stats().index_resets == 2 and pilot.stats().live_requests == 0
+
+
+def test_deeply_nested_msgpack_is_malformed_and_resets(ports: tuple[int, int]) -> None:
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, _ = ports
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{pub_port}")
+    time.sleep(0.5)
+    deep = b"\x93\xcb" + msgspec.msgpack.encode(1.0)[1:] + b"\x91" * 100_000 + b"\xc0\x00"  # [ts, [[[...]]], 0]
+    try:
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), batch()])
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha"], "q")
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), deep])
+        wait_until(lambda: subscriber.snapshot().malformed == 1, seconds=5)
+        assert pilot.stats().live_requests == 0 and sink.stats().index_resets == 1  # its events are lost
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), batch()])
+        wait_until(lambda: subscriber.snapshot().batches == 2, seconds=5)
+    finally:
+        subscriber.stop()
+        pub.close(linger=0)
+    assert sink.stats().sequence_gaps == 1  # the unreadable batch, and no other
+
+
+def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple[int, int]) -> None:
+    """A replay socket that never answers, a long replay timeout: stop() returns at once, with
+    the thread finished, and the batch that was waiting for the replay is never applied."""
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    hung = zmq.Context.instance().socket(zmq.ROUTER)  # takes the request, never answers
+    hung.bind(f"tcp://127.0.0.1:{replay_port}")
+    subscriber = ZmqEventSubscriber(
+        sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}", replay_timeout=8
+    )
+    time.sleep(0.5)
+    try:
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), batch()])
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha"], "q")
+        pub.send_multipart([b"", (5).to_bytes(8, "big"), batch()])  # a gap: the replay is asked
+        assert hung.poll(5_000), "the replay socket was not asked"
+        started = time.monotonic()
+        subscriber.stop()
+        took = time.monotonic() - started
+    finally:
+        pub.close(linger=0)
+        hung.close(linger=0)
+    assert took < 1.0, f"stop() took {took:.1f} s"
+    assert not subscriber._thread.is_alive()
+    assert subscriber.snapshot().batches == 1 and subscriber.snapshot().last_seq == 0
+    assert pilot.stats().live_requests == 1 and sink.stats().index_resets == 0
+
+
+# ---- issue 24, item 3 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple[int, int], replay: bool) -> None:
+    """SGLang publishes batch 0 (``AllBlocksCleared``) when it builds its cache, before a
+    subscriber's subscription takes effect: it is fetched from the replay socket, and without
+    one the loss is counted."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    cache, _ = build_cache("unified-rust", capacity=48)
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # nobody listens yet
+    time.sleep(0.2)
+    subscriber = ZmqEventSubscriber(
+        sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint if replay else None
+    )
+    time.sleep(0.5)
+    try:
+        pilot.prepare(["alpha"], "q")
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().last_seq == 1, seconds=5)
+    finally:
+        subscriber.stop()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    if replay:
+        assert seen.batches == 2 and seen.recovered_gaps == 1 and seen.replayed_batches == 1
+        assert sink.stats().index_resets == 1  # by the AllBlocksCleared it fetched
+    else:
+        assert seen.batches == 1 and seen.unrecovered_gaps == 1
+        assert sink.stats().sequence_gaps == 1 and pilot.stats().live_requests == 0
+
+
+def test_heartbeat_fetches_a_lost_last_batch(ports: tuple[int, int]) -> None:
+    """The last batch is lost and nothing follows: with ``heartbeat`` the silence asks the
+    replay socket, instead of the loss waiting for the next batch to be noticed."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    sink = KvEventSink(ContextPilot())
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", {2})
+    subscriber = ZmqEventSubscriber(sink, dropper.endpoint, replay_endpoint=replay_endpoint, heartbeat=0.3)
+    time.sleep(0.5)
+    try:
+        for _ in range(3):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 4, seconds=5)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    assert seen.heartbeats >= 1 and seen.replayed_batches == 1 and seen.last_seq == 3
+    assert seen.restarts == 0 and sink.stats().index_resets == 0
+
+
+def test_a_batch_both_replayed_and_received_live_is_a_duplicate_not_a_restart(ports: tuple[int, int]) -> None:
+    """Batch 2 is late: the heartbeat fetches it from the replay socket, then the live copy
+    comes. Same number, same bytes: a duplicate; a number going back is otherwise a restart."""
+    import_sglang()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    pub_port, replay_port = ports
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    publisher = ZmqEventPublisher(
+        attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", replay_endpoint=replay_endpoint, bind=True
+    )
+    dropper = Dropper(f"tcp://127.0.0.1:{pub_port}", set(), hold=frozenset({2}))
+    subscriber = ZmqEventSubscriber(sink, dropper.endpoint, replay_endpoint=replay_endpoint, heartbeat=0.3)
+    time.sleep(0.5)
+    try:
+        for _ in range(3):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)  # 2 came from the replay
+        pilot.prepare(["alpha"], "q")
+        dropper.release()
+        wait_until(lambda: subscriber.snapshot().duplicates == 1, seconds=5)
+    finally:
+        subscriber.stop()
+        dropper.close()
+        publisher.shutdown()
+    seen = subscriber.snapshot()
+    assert seen.restarts == 0 and seen.last_seq == 2 and pilot.stats().live_requests == 1
+
+
+def test_requests_shortened_counts_requests_not_removals(ports: tuple[int, int]) -> None:
+    """vLLM sends one ``BlockRemoved`` per block: a batch evicting a request's three blocks
+    shortens one request (it counted three)."""
+    kv = vllm_classes()
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot)
+    sub_port, _ = ports
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{sub_port}", bind=True)
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{sub_port}")  # type: ignore[attr-defined]
+    time.sleep(0.5)
+    tokens = list(range(1, 13))
+    hashes = [hashlib.sha256(repr(tokens[:end]).encode()).digest() for end in (4, 8, 12)]
+    try:
+        prepared = pilot.prepare([Block(id=name, text=name, tokens=4) for name in "abc"], "q")
+        sink.track(prepared.request_id, tokens, [4, 8, 12])
+        stored = kv.BlockStored(  # type: ignore[attr-defined]
+            block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=4,
+            lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[stored]))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        removed = [kv.BlockRemoved(block_hashes=[h], medium="GPU") for h in reversed(hashes)]  # type: ignore[attr-defined]
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=removed))  # type: ignore[attr-defined]
+        wait_until(lambda: subscriber.snapshot().batches == 2)
+    finally:
+        publisher.shutdown()
+        subscriber.stop()
+    assert pilot.stats().live_requests == 0 and sink.stats().requests_shortened == 1
