@@ -18,14 +18,14 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
+from collections.abc import Collection, Hashable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .annotations import DEFAULT_TEMPLATES, Templates, render_block
 from .blocks import CHARS_PER_TOKEN, BlockLike
 from .pilot import ContextPilot
-from .prepared import PreparedRequest, Reference
+from .prepared import PreparedRequest, resolve_references
 
 __all__ = [
     "Binding",
@@ -178,25 +178,6 @@ def restore_references(prepared: PreparedRequest, texts: MutableSequence[str]) -
     stay only if the block text it points to comes before it in the same request.
     Returns the ids of the blocks restored (sent in full after all)."""
     return resolve_references(texts, prepared.references, prepared.templates)
-
-
-def resolve_references(
-    texts: MutableSequence[str], references: Iterable[Reference], templates: Templates = DEFAULT_TEMPLATES
-) -> list[str]:
-    """:func:`restore_references` for any references: of the current turn, or of earlier
-    turns whose messages are sent again (their targets may have left the history)."""
-    restored = []
-    for reference in references:
-        target = render_block(reference.block, templates)
-        for index, text in enumerate(texts):
-            position = text.find(reference.text)
-            if position == -1:
-                continue
-            if not any(target in before for before in texts[:index]) and target not in text[:position]:
-                texts[index] = text[:position] + target + text[position + len(reference.text) :]
-                restored.append(reference.block.id)
-            break
-    return restored
 
 
 def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:

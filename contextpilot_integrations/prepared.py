@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from .annotations import DEFAULT_TEMPLATES, Templates, render_block, render_order, render_reference
@@ -88,11 +89,39 @@ class PreparedRequest:
             parts.append(self.templates.question.format(query=self.query))
         return self.templates.separator.join(part for part in parts if part)
 
-    def to_messages(self, system_prompt: str | None = None) -> list[dict[str, str]]:
-        """OpenAI-style chat messages: an optional system message, then the prompt."""
+    def to_messages(
+        self, system_prompt: str | None = None, history: Sequence[Mapping[str, str]] = ()
+    ) -> list[dict[str, str]]:
+        """OpenAI-style chat messages: an optional system message, the ``history`` you send
+        (earlier turns, ``{"role": ..., "content": ...}``), then the prompt. A reference whose
+        block is not in those messages goes out as the block's full text."""
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages += [{"role": str(m["role"]), "content": str(m["content"])} for m in history]
         messages.append({"role": "user", "content": self.render()})
+        texts = [m["content"] for m in messages]
+        if resolve_references(texts, self.references, self.templates):
+            messages[-1]["content"] = texts[-1]
         return messages
+
+
+def resolve_references(
+    texts: MutableSequence[str], references: Iterable[Reference], templates: Templates = DEFAULT_TEMPLATES
+) -> list[str]:
+    """Put back the full text of every reference whose block is not rendered before it in
+    ``texts`` (a request's messages, in order; edited in place): a reference of the current
+    turn, or of an earlier turn whose message is sent again. Returns the block ids restored."""
+    restored = []
+    for reference in references:
+        target = render_block(reference.block, templates)
+        for index, text in enumerate(texts):
+            position = text.find(reference.text)
+            if position == -1:
+                continue
+            if not any(target in before for before in texts[:index]) and target not in text[:position]:
+                texts[index] = text[:position] + target + text[position + len(reference.text) :]
+                restored.append(reference.block.id)
+            break
+    return restored
 
 
 def make_reference(block: Block, turn: int, templates: Templates) -> Reference:

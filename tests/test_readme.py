@@ -1,7 +1,7 @@
-"""Every Python block of the three READMEs runs as written (in order, sharing names, as a
-reader pasting them would), against a real llama-server standing in for the documented
-``http://127.0.0.1:30000`` server (the only substitution). The quickstart's printed output
-is what its comments say."""
+"""Every Python block of the three READMEs runs as written and on its own (a reader pastes
+one block into a fresh interpreter), against a real llama-server standing in for the
+documented ``http://127.0.0.1:30000`` server (the only substitution). The printed output is
+what the comments say."""
 
 from __future__ import annotations
 
@@ -39,12 +39,11 @@ def python_blocks(path: Path) -> list[str]:
 def test_every_python_block_runs(readme: Path, llama: LlamaServer) -> None:
     blocks = python_blocks(readme)
     assert blocks, f"{readme} has no Python block"
-    namespace: dict[str, object] = {}
     printed = io.StringIO()
     for number, block in enumerate(blocks, start=1):
         code = compile(block.replace(DOCUMENTED_SERVER, llama.url), f"{readme.name}, block {number}", "exec")
         with contextlib.redirect_stdout(printed):
-            exec(code, namespace)
+            exec(code, {"__name__": f"readme_block_{number}"})  # a fresh namespace: each block alone
     if readme.name == "README.md" and readme.parent == ROOT:
         out = printed.getvalue()
         for documented in (
@@ -53,5 +52,8 @@ def test_every_python_block_runs(readme: Path, llama: LlamaServer) -> None:
             "priority order: [Doc_26] > [Doc_545] > [Doc_901] and answer the question.",
             "['545', '26', '901'] 2",
             "'cache_read'",
+            "reports: 1\n",
         ):
             assert documented in out
+        references = re.search(r"references: (\d+)", out)
+        assert references and int(references.group(1)) > 0
