@@ -31,6 +31,7 @@ __all__ = [
     "Binding",
     "RunBinder",
     "aprepare_bound",
+    "checked_for_sending",
     "dangling_references",
     "prepare_bound",
     "resolve_references",
@@ -170,6 +171,16 @@ class RunBinder:
             seen.add(parent)
             parent = self._parents.get(parent)
         return chain
+
+
+def checked_for_sending(binding: Binding, texts: MutableSequence[str]) -> Binding:
+    """Where messages leave for the engine: write out every reference of the bound request
+    whose block ``texts`` (the outgoing messages' texts, in order; edited in place) do not
+    carry, tell its pilot, and return the binding located in that prompt."""
+    restored = restore_references(binding.prepared, texts)
+    if restored:
+        binding.pilot.note_restored(binding.prepared, restored)
+    return binding.located("\n".join(texts))
 
 
 def restore_references(prepared: PreparedRequest, texts: MutableSequence[str]) -> list[str]:

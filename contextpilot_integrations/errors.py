@@ -45,3 +45,22 @@ class EngineHTTPError(EngineError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+def as_engine_error(exc: BaseException, where: str) -> BaseException:
+    """A connection that failed or broke mid-answer (httpx's, or the OpenAI or Anthropic SDK's
+    when in use) as :class:`EngineUnavailable`; anything else (a timeout, the server's own
+    answer) unchanged."""
+    import sys
+
+    import httpx
+
+    broken = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
+    for sdk in (sys.modules.get("openai"), sys.modules.get("anthropic")):  # never imported here
+        if sdk is not None and isinstance(exc, sdk.APIConnectionError) and not isinstance(exc, sdk.APITimeoutError):
+            broken = True
+    if not broken:
+        return exc
+    error = EngineUnavailable(f"{where}: the connection failed ({type(exc).__name__}: {exc})")
+    error.__cause__ = exc
+    return error

@@ -9,7 +9,6 @@ Transport failures surface as the core's :class:`EngineUnavailable`.
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -17,10 +16,10 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import ensure_config
 
-from contextpilot_integrations.binding import Binding, restore_references
+from contextpilot_integrations.binding import Binding, checked_for_sending
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
-from contextpilot_integrations.errors import EngineUnavailable
+from contextpilot_integrations.errors import as_engine_error
 
 from . import _binding
 
@@ -41,11 +40,8 @@ def bind(
     if binding is None:
         return None, messages
     segments, places = _segments(messages)
-    restored = restore_references(binding.prepared, segments)
-    if restored:
-        binding.pilot.note_restored(binding.prepared, restored)
-        messages = _rebuilt(messages, segments, places)
-    return binding.located("\n".join(segments)), messages
+    binding = checked_for_sending(binding, segments)
+    return binding, _rebuilt(messages, segments, places)
 
 
 def with_ids(
@@ -94,26 +90,8 @@ def failed(run_manager: Any, binding: Binding | None, tracker: EventTracker | No
 
 
 def typed(exc: BaseException, where: str) -> BaseException:
-    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`
-    (timeouts and the server's own answers stay as the provider SDK raised them)."""
-    if _is_transport_failure(exc):
-        error = EngineUnavailable(f"{where}: the connection failed ({type(exc).__name__}: {exc})")
-        error.__cause__ = exc
-        return error
-    return exc
-
-
-def _is_transport_failure(exc: BaseException) -> bool:
-    import httpx
-
-    if isinstance(exc, httpx.TimeoutException):
-        return False
-    if isinstance(exc, httpx.TransportError):
-        return True
-    for sdk in (sys.modules.get("openai"), sys.modules.get("anthropic")):  # only SDKs in use
-        if sdk is not None and isinstance(exc, sdk.APIConnectionError) and not isinstance(exc, sdk.APITimeoutError):
-            return True
-    return False
+    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`."""
+    return as_engine_error(exc, where)
 
 
 def _segments(messages: Sequence[BaseMessage]) -> tuple[list[str], list[tuple[int, int | None]]]:

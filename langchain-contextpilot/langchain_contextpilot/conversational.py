@@ -69,12 +69,8 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
         self, retriever: RetrieverLike | None = None, llm: Any = None, pilot: Any = None, **kwargs: Any
     ) -> None:
         """``ConversationalRAG(retriever, llm, pilot, ...)`` or all by keyword."""
-        given = {
-            name: value
-            for name, value in (("retriever", retriever), ("llm", llm), ("pilot", pilot))
-            if value is not None
-        }
-        super().__init__(**given, **kwargs)
+        given: dict[str, Any] = {"retriever": retriever, "llm": llm, "pilot": pilot}
+        super().__init__(**{name: value for name, value in given.items() if value is not None}, **kwargs)
 
     @classmethod
     def is_lc_serializable(cls) -> bool:

@@ -10,17 +10,16 @@ makes the pilot forget it. Transport failures surface as the core's
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, TextBlock
 
-from contextpilot_integrations.binding import Binding, restore_references
+from contextpilot_integrations.binding import Binding, checked_for_sending
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
-from contextpilot_integrations.errors import EngineError, EngineUnavailable
+from contextpilot_integrations.errors import EngineError, as_engine_error
 
 from . import _binding
 
@@ -37,11 +36,8 @@ def bind(kwargs: dict[str, Any], messages: Sequence[ChatMessage]) -> tuple[Bindi
     if binding is None:
         return None, messages
     segments, places = _segments(messages)
-    restored = restore_references(binding.prepared, segments)
-    if restored:
-        binding.pilot.note_restored(binding.prepared, restored)
-        messages = _rebuilt(messages, segments, places)
-    return binding.located("\n".join(segments)), messages
+    binding = checked_for_sending(binding, segments)
+    return binding, _rebuilt(messages, segments, places)
 
 
 def bind_prompt(kwargs: dict[str, Any], prompt: str) -> tuple[Binding | None, str]:
@@ -118,19 +114,8 @@ def failed(binding: Binding | None, tracker: EventTracker | None) -> None:
 
 
 def typed(exc: BaseException, where: str) -> BaseException:
-    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`
-    (timeouts and the server's own answers stay as the provider SDK raised them)."""
-    import httpx
-
-    broken = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
-    for sdk in (sys.modules.get("openai"), sys.modules.get("anthropic")):
-        if sdk is not None and isinstance(exc, sdk.APIConnectionError) and not isinstance(exc, sdk.APITimeoutError):
-            broken = True
-    if not broken:
-        return exc
-    error = EngineUnavailable(f"{where}: the connection failed ({type(exc).__name__}: {exc})")
-    error.__cause__ = exc
-    return error
+    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`."""
+    return as_engine_error(exc, where)
 
 
 def reraise(error: BaseException, original: BaseException) -> Any:
