@@ -319,6 +319,29 @@ def test_no_reference_is_ever_sent_without_its_text(
     assert all(load == 0 for load in router.loads().values())
 
 
+def test_a_cancelled_turn_gives_its_number_back(fresh: list[Replica]) -> None:
+    """Cancelling ``achat`` (the caller gave up) withdraws the request like any failure."""
+    a = fresh[0]
+    router = Router(targets_of([a]))
+
+    async def talk() -> Any:
+        with RoutingClient(router, timeout=5) as client:
+            turn0 = await client.achat(docs("X"), "q0", "c", max_tokens=1)
+            a.mode, a.delay = "slow", 1.0
+            task = asyncio.create_task(client.achat(docs("Y"), "q1", "c", history=messages_of(turn0), max_tokens=1))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert router.loads() == {"A": 0}
+            a.mode = "up"
+            return await client.achat(docs("Y", "X"), "q1", "c", history=messages_of(turn0), max_tokens=1)
+
+    turn1 = finishes(lambda: asyncio.run(talk()))
+    assert turn1.prepared.turn == 1 and [r.block.id for r in turn1.prepared.references] == ["X"]
+    assert router.pilot("A").live_request_ids() == [a.bodies[0]["rid"]]  # turn 0's; the cancelled one is gone
+
+
 # ---- 3. a slow answer is not a dead replica -------------------------------------------------------------------
 @pytest.mark.parametrize("use_async", [False, True])
 def test_a_slow_answer_keeps_the_replica_and_its_predictions(fresh: list[Replica], use_async: bool) -> None:
