@@ -39,6 +39,10 @@ class EngineUnavailable(EngineError):
     """The server could not be reached, or did not answer in time."""
 
 
+class EngineTimeout(EngineUnavailable):
+    """The server took the request but did not answer in time: slow, not unreachable."""
+
+
 class EngineHTTPError(EngineError):
     """The server answered with an HTTP error status."""
 

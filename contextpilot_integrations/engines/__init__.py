@@ -9,7 +9,7 @@ tokens, and keep the index true from the engine's KV-cache events.
 - :mod:`.wire`: the engines' formats; :mod:`.sglang_plugin`: the publisher loaded in SGLang.
 """
 
-from ..errors import EngineError, EngineHTTPError, EngineUnavailable
+from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from .client import ChatResult, OpenAICompatClient, redact_url
 from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
@@ -25,6 +25,7 @@ __all__ = [
     "EngineBlockMap",
     "EngineError",
     "EngineHTTPError",
+    "EngineTimeout",
     "EngineUnavailable",
     "CacheAwarePolicy",
     "EvictionListener",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 
-from ..errors import EngineError, EngineHTTPError, EngineUnavailable
+from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 from . import wire
@@ -36,7 +36,15 @@ if TYPE_CHECKING:
     from .listener import EvictionListener
     from .sink import KvEventSink
 
-__all__ = ["ChatResult", "EngineError", "EngineHTTPError", "EngineUnavailable", "OpenAICompatClient", "redact_url"]
+__all__ = [
+    "ChatResult",
+    "EngineError",
+    "EngineHTTPError",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "OpenAICompatClient",
+    "redact_url",
+]
 
 _CREDENTIALS = re.compile(r"(//)[^/@\s]+@")  # user:password@ in a URL
 
@@ -96,7 +104,7 @@ class _Reader:
         if self.received > self.max_bytes:
             raise EngineError(f"{self.where} answered more than {self.max_bytes} bytes")
         if self.deadline is not None and time.perf_counter() > self.deadline:
-            raise EngineUnavailable(f"{self.where} timed out: no complete answer within the deadline")
+            raise EngineTimeout(f"{self.where} timed out: no complete answer within the deadline")
         self.buffer += chunk
         if not self.stream:
             return False
@@ -392,9 +400,12 @@ class OpenAICompatClient:
         return result
 
     def _unavailable(self, exc: BaseException) -> EngineUnavailable:
-        kind = "timed out" if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)) else "is unreachable"
+        """Unreachable (refused, reset, no connection within ``timeout``), or slow: a
+        timeout once connected is an :class:`EngineTimeout` (the server has the request)."""
         detail = _CREDENTIALS.sub(r"\1", str(exc)) or type(exc).__name__
-        return EngineUnavailable(f"{self.where} {kind}: {detail}")
+        if isinstance(exc, httpx.ConnectTimeout) or not isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+            return EngineUnavailable(f"{self.where} is unreachable: {detail}")
+        return EngineTimeout(f"{self.where} timed out: {detail}")
 
     def _forget(self, prepared: PreparedRequest) -> None:
         report_failed(self.pilot, prepared, self.tracker)

@@ -15,16 +15,25 @@ kept true by that target's events or cached-token reports) and, like SGLang's ro
 3. else the least recently used target (its cache holds the oldest prefixes: room for a
    new one), which also spreads new prefixes evenly.
 
-A conversation stays on one target (its history is cached there). A target that fails is
-marked down for ``down_seconds`` and routed around; the request is prepared again for
-another target and sent there, so it is never lost. A request larger than every target's
-cache is sent anyway (to the least loaded) and recorded as cached nowhere.
+A conversation stays on one target (its history is cached there), but its turns are one
+conversation whichever target serves each: the history is what the caller sends, so the
+targets' pilots share one conversation store and number a conversation's turns once
+(``kept_turns`` means the same turns on every target, and a reference only ever names a
+turn the caller keeps). A target that cannot be reached (refused, reset) is marked down
+for ``down_seconds`` and routed around; the request is prepared again for another target,
+with the same ``kept_turns``, and sent there, so it is never lost. A slow answer (a
+timeout, the ``deadline``) is not a dead target: the call raises, and the target keeps
+its place and its predicted cache. A request larger than every target's cache is sent
+anyway (to the least loaded) and recorded as cached nowhere. A call that raises, bad input
+included, leaves the routing state as it was.
 
 :class:`RoutingClient` sends; thread-safe, sync and async.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -33,9 +42,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from ..blocks import BlockLike, normalize_blocks
-from ..errors import EngineUnavailable
-from ..pilot import BatchRequest, ContextPilot
+from ..blocks import Block, BlockLike, normalize_blocks
+from ..conversations import ConversationStore
+from ..errors import DuplicateRequestError, EngineTimeout, EngineUnavailable
+from ..pilot import (
+    BatchItem,
+    BatchRequest,
+    ContextPilot,
+    _batch_request,
+    _check_conversation_id,
+    _check_kept_turns,
+    _check_query,
+    _check_request_id,
+)
 from ..prepared import PreparedRequest
 from . import wire
 from .client import ChatResult, OpenAICompatClient
@@ -48,16 +67,39 @@ __all__ = ["CacheAwarePolicy", "Routed", "RoutedResult", "Router", "RoutingClien
 
 def is_unreachable(exc: BaseException) -> bool:
     """A connection-level failure (route around the target), not an answer from it:
-    httpx's, ours, or the OpenAI SDK's (which the framework adapters use)."""
+    httpx's, ours, or the OpenAI SDK's (which the framework adapters use).
+
+    A timeout is not one: the server took the request and is slow, which says nothing about
+    the next request (and its cache still holds what it held). Only a connection that could
+    not be made (refused, reset, a connect timeout) or broke marks a target unreachable.
+    """
     import httpx
 
+    openai = sys.modules.get("openai")  # only its own errors matter, so only if it is loaded
+    sdk_timeouts = (openai.APITimeoutError,) if openai is not None else ()
+    if _timed_out(exc, sdk_timeouts):
+        return False
     if isinstance(exc, (httpx.TransportError, EngineUnavailable)):
         return True
-    try:
-        import openai
-    except ImportError:
-        return False
-    return isinstance(exc, openai.APIConnectionError)
+    return openai is not None and isinstance(exc, openai.APIConnectionError)
+
+
+def _timed_out(exc: BaseException, sdk_timeouts: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``exc`` (or the error it was raised from) is a timeout of a request the
+    server took; a connect timeout is not one (the server never got the request)."""
+    import httpx
+
+    timeouts = (EngineTimeout, httpx.TimeoutException, TimeoutError, asyncio.TimeoutError, *sdk_timeouts)
+    found = False
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, httpx.ConnectTimeout):
+            return False
+        found = found or isinstance(link, timeouts)
+        link = link.__cause__
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +137,8 @@ class Routed:
     target: Target
     reason: str
     """``balance``, ``cache``, ``room``, ``conversation``, ``oversized`` or ``fixed``."""
+    kept_turns: frozenset[int] | None = None
+    """The caller's ``kept_turns``: a failover prepares the request again with them."""
 
 
 @dataclass
@@ -107,8 +151,42 @@ class _State:
     last_used: int = -1
 
 
+class _SharedConversations(ConversationStore):
+    """The conversation store every target's pilot uses (under their one shared lock)."""
+
+    def release_turn(self, conversation_id: str, turn: int) -> None:
+        """A turn never reached the model: forget what it carried and, if no later turn was
+        recorded meanwhile, give its number back (the caller's next turn takes it)."""
+        self.forget_turn(conversation_id, turn)
+        conversation = self._conversations.get(conversation_id)
+        if conversation is not None and conversation.turns == turn + 1:
+            conversation.turns = turn
+
+
+@dataclass
+class _Draft:
+    """Routing decisions not recorded yet: those of a batch so far (its load, its blocks,
+    where its conversations go, round-robin turns taken). Recorded once nothing can fail."""
+
+    pending: dict[str, int] = field(default_factory=dict)
+    pending_blocks: dict[str, set[str]] = field(default_factory=dict)
+    sticks: dict[str, str] = field(default_factory=dict)
+    turned: int = 0
+
+    def add(self, target: Target, blocks: Sequence[Block], conversation_id: str | None) -> None:
+        self.pending[target.name] = self.pending.get(target.name, 0) + 1
+        self.pending_blocks.setdefault(target.name, set()).update(block.id for block in blocks)
+        if conversation_id is not None:
+            self.sticks[conversation_id] = target.name
+
+
 class Router:
     """Per-target predicted cache state and the routing decision (no I/O of its own).
+
+    Conversations: the targets' pilots share one conversation store, so turn ``n`` of a
+    conversation is its ``n``-th turn whichever target served the earlier ones, and
+    ``kept_turns`` names the same turns on every target (see the module docstring). A turn
+    that fails everywhere gives its number back (:meth:`withdraw`).
 
     Args:
         targets: where requests can go (distinct names).
@@ -116,8 +194,9 @@ class Router:
             retriever's order, for a baseline that only routes).
         policy: thresholds of the cache-aware policy; ``routing="cache_aware"`` uses it,
             ``"round_robin"`` and ``"least_loaded"`` are there to compare with.
-        down_seconds: how long a failed target is routed around.
-        max_conversations: sticky conversations remembered (least recent forgotten).
+        down_seconds: how long an unreachable target is routed around.
+        max_conversations: conversations remembered (where each one lives, and what its
+            turns showed); the least recent are forgotten.
         **pilot_options: passed to every target's :class:`ContextPilot`.
     """
 
@@ -139,14 +218,22 @@ class Router:
             raise ValueError("give at least one target, each with its own name")
         if routing not in self.ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(self.ROUTINGS)}, got {routing!r}")
+        if max_conversations < 1:
+            raise ValueError("max_conversations must be at least 1")
         self.targets = list(targets)
         self.policy = policy or CacheAwarePolicy()
         self.routing = routing
         self.down_seconds = down_seconds
         self.max_conversations = max_conversations
-        self._states = {t.name: _State(ContextPilot(strategy, **pilot_options)) for t in targets}
-        self._by_pilot = {id(state.pilot): t for t, state in zip(targets, self._states.values(), strict=True)}
-        self._conversations: OrderedDict[str, str] = OrderedDict()
+        pilots = [ContextPilot(strategy, **pilot_options) for _ in targets]
+        self._pilot_lock = threading.RLock()
+        self._turns = _SharedConversations(pilots[0]._conversations.ttl, max_conversations)
+        for pilot in pilots:  # one conversation store, decided and recorded under one lock
+            pilot._lock = self._pilot_lock
+            pilot._conversations = self._turns
+        self._states = {t.name: _State(pilot) for t, pilot in zip(targets, pilots, strict=True)}
+        self._by_pilot = {id(pilot): t for t, pilot in zip(targets, pilots, strict=True)}
+        self._conversations: OrderedDict[str, str] = OrderedDict()  # conversation -> target name
         self._next = 0
         self._uses = 0
         self._lock = threading.Lock()
@@ -170,6 +257,17 @@ class Router:
         with self._lock:
             return {name: state.sent for name, state in self._states.items()}
 
+    def is_down(self, target: Target | str) -> bool:
+        """Whether the target is being routed around (it was unreachable lately)."""
+        name = target if isinstance(target, str) else target.name
+        with self._lock:
+            return self._states[name].down_until > time.monotonic()
+
+    def conversation_target(self, conversation_id: str) -> str | None:
+        """The name of the target a conversation stays on, if it is remembered."""
+        with self._lock:
+            return self._conversations.get(conversation_id)
+
     def started(self, target: Target) -> None:
         with self._lock:
             state = self._states[target.name]
@@ -183,12 +281,31 @@ class Router:
             self._states[target.name].in_flight -= 1
 
     def mark_down(self, target: Target) -> None:
-        """The target failed: route around it for ``down_seconds``; its prediction is void."""
+        """The target is unreachable: route around it for ``down_seconds``; its prediction
+        is void (it may have restarted empty)."""
         with self._lock:
             state = self._states[target.name]
             state.down_until = time.monotonic() + self.down_seconds
             state.failures += 1
         state.pilot.reset()
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation: where it lives and what its turns showed. Returns whether
+        it was tracked."""
+        with self._lock:
+            stuck = self._conversations.pop(conversation_id, None) is not None
+        with self._pilot_lock:
+            return self._turns.end(conversation_id) or stuck
+
+    def withdraw(self, routed: Routed) -> None:
+        """The request never reached the model (its send failed): its target's state forgets
+        it, and its conversation turn, if it is still the latest, gives its number back, so
+        the caller's next try (or next turn) is numbered as if it had never been made."""
+        prepared = routed.prepared
+        with self._pilot_lock:
+            self.pilot(routed.target).discard(prepared)
+            if prepared.conversation_id is not None and prepared.turn is not None:
+                self._turns.release_turn(prepared.conversation_id, prepared.turn)
 
     # ---- the decision ------------------------------------------------------------------------
     def choose(
@@ -199,57 +316,68 @@ class Router:
         pending: dict[str, int] | None = None,
         pending_blocks: dict[str, set[str]] | None = None,
     ) -> tuple[Target, str]:
-        """The target for these blocks, and why (see the module docstring).
+        """The target for these blocks, and why (see the module docstring); a conversation
+        is then remembered on it.
 
         ``pending`` / ``pending_blocks``: requests (and their blocks) already routed to each
         target but not sent yet (a batch): load, and a prefix the batch plan will share.
         """
         normalized, _ = normalize_blocks(blocks)
-        size = sum(block.token_count for block in normalized)
-        now = time.monotonic()
+        _check_conversation_id(conversation_id)
+        draft = _Draft(dict(pending or {}), {name: set(ids) for name, ids in (pending_blocks or {}).items()})
         with self._lock:
-            up = [t for t in self.targets if t.name not in exclude and self._states[t.name].down_until <= now]
-            candidates = up or [t for t in self.targets if t.name not in exclude] or list(self.targets)
-            if conversation_id is not None:
-                name = self._conversations.get(conversation_id)
-                sticky = next((t for t in candidates if t.name == name), None)
-                if sticky is not None:
-                    self._conversations.move_to_end(conversation_id)
-                    return sticky, "conversation"
-            extra = pending or {}
-            loads = {t.name: self._states[t.name].in_flight + extra.get(t.name, 0) for t in candidates}
-            if self.routing == "round_robin":
-                target = candidates[self._next % len(candidates)]
-                self._next += 1
-                return self._stick(conversation_id, target), "fixed"
+            target, reason = self._decide(normalized, conversation_id, exclude, draft)
+            draft.add(target, normalized, conversation_id)
+            self._record(draft)
+        return target, reason
+
+    def _decide(
+        self, blocks: Sequence[Block], conversation_id: str | None, exclude: Collection[str], draft: _Draft
+    ) -> tuple[Target, str]:
+        """The decision, with the lock held; it records nothing (``draft`` counts the round-robin
+        turn it takes)."""
+        now = time.monotonic()
+        up = [t for t in self.targets if t.name not in exclude and self._states[t.name].down_until <= now]
+        candidates = up or [t for t in self.targets if t.name not in exclude] or list(self.targets)
+        if conversation_id is not None:
+            name = draft.sticks.get(conversation_id) or self._conversations.get(conversation_id)
+            sticky = next((t for t in candidates if t.name == name), None)
+            if sticky is not None:
+                return sticky, "conversation"
+        loads = {t.name: self._states[t.name].in_flight + draft.pending.get(t.name, 0) for t in candidates}
+        if self.routing == "round_robin":
+            draft.turned += 1
+            return candidates[(self._next + draft.turned - 1) % len(candidates)], "fixed"
         least = min(candidates, key=lambda t: (loads[t.name], t.name))
         if self.routing == "least_loaded":
-            return self._stick(conversation_id, least), "fixed"
+            return least, "fixed"
+        size = sum(block.token_count for block in blocks)
         if all(t.capacity_tokens is not None and size > t.capacity_tokens for t in candidates):
-            return self._stick(conversation_id, least), "oversized"
+            return least, "oversized"
         busiest, idlest = max(loads.values()), min(loads.values())
         policy = self.policy
         if busiest - idlest > policy.balance_abs_threshold and busiest > idlest * policy.balance_rel_threshold:
-            return self._stick(conversation_id, least), "balance"
-        reuse = {t.name: self._states[t.name].pilot.reusable_tokens(normalized) for t in candidates}
+            return least, "balance"
+        reuse = {t.name: self._states[t.name].pilot.reusable_tokens(blocks) for t in candidates}
         for t in candidates:
-            batch_blocks = (pending_blocks or {}).get(t.name, set())
-            shared = sum(block.token_count for block in normalized if block.id in batch_blocks)
+            batch_blocks = draft.pending_blocks.get(t.name, set())
+            shared = sum(block.token_count for block in blocks if block.id in batch_blocks)
             reuse[t.name] = max(reuse[t.name], shared)
         best = max(candidates, key=lambda t: (reuse[t.name], -loads[t.name]))
         if size and reuse[best.name] >= policy.cache_threshold * size:
-            return self._stick(conversation_id, best), "cache"
+            return best, "cache"
         roomiest = min(candidates, key=lambda t: (loads[t.name], self._states[t.name].last_used))
-        return self._stick(conversation_id, roomiest), "room"
+        return roomiest, "room"
 
-    def _stick(self, conversation_id: str | None, target: Target) -> Target:
-        if conversation_id is not None:
-            with self._lock:
-                self._conversations[conversation_id] = target.name
-                self._conversations.move_to_end(conversation_id)
-                while len(self._conversations) > self.max_conversations:
-                    self._conversations.popitem(last=False)
-        return target
+    def _record(self, draft: _Draft) -> None:
+        """Record decisions (with the lock held): round-robin turns taken, and where each
+        conversation lives (most recent last; the least recent beyond the bound forgotten)."""
+        self._next += draft.turned
+        for conversation_id, name in draft.sticks.items():
+            self._conversations[conversation_id] = name
+            self._conversations.move_to_end(conversation_id)
+        while len(self._conversations) > self.max_conversations:
+            self._conversations.popitem(last=False)
 
     def prepare(
         self,
@@ -260,13 +388,26 @@ class Router:
         kept_turns: Collection[int] | None = None,
         exclude: Collection[str] = (),
     ) -> Routed:
-        """Choose a target and prepare the request with its predicted cache state."""
-        items = list(blocks)
-        target, reason = self.choose(items, conversation_id, exclude)
-        prepared = self.pilot(target).prepare(items, query, conversation_id, kept_turns=kept_turns)
-        if reason == "oversized":
-            self.pilot(target).evict([prepared.request_id])  # larger than the cache: cached nowhere
-        return Routed(prepared, target, reason)
+        """Choose a target and prepare the request with its predicted cache state.
+
+        Raises:
+            InvalidBlockError, BlockTypeError, TypeError: bad input; nothing is recorded then
+                (no target remembered for the conversation, no round-robin turn taken).
+        """
+        normalized, _ = normalize_blocks(blocks)
+        _check_query(query)
+        _check_conversation_id(conversation_id)
+        kept = _check_kept_turns(kept_turns)
+        draft = _Draft()
+        with self._lock:  # decide, prepare, record: one step (preparing takes microseconds)
+            target, reason = self._decide(normalized, conversation_id, exclude, draft)
+            pilot = self.pilot(target)
+            prepared = pilot.prepare(normalized, query, conversation_id, kept_turns=kept)
+            if reason == "oversized":
+                pilot.evict([prepared.request_id])  # larger than the cache: cached nowhere
+            draft.add(target, normalized, conversation_id)
+            self._record(draft)
+        return Routed(prepared, target, reason, kept)
 
     async def aprepare(
         self,
@@ -302,7 +443,8 @@ class Router:
     def attempt(self, target: Target, *, last: bool) -> Iterator[None]:
         """One try at ``target``, counted as load while it runs. An unreachable target is
         marked down and the failure swallowed (the caller tries the next one), unless it
-        was the ``last`` one left."""
+        was the ``last`` one left; any other failure (an error answer, a timeout) raises
+        and leaves the target as it was."""
         self.started(target)
         try:
             yield
@@ -329,29 +471,77 @@ class Router:
                 return await send(target, self._as_known_to(binding, target))
         raise RuntimeError("no target")  # pragma: no cover
 
-    def plan(self, requests: Sequence[BatchRequest]) -> list[Routed]:
+    def plan(self, requests: Sequence[BatchItem]) -> list[Routed]:
         """A batch: route every request (counting those routed before it as load), then plan
         each target's share with its pilot. Routed requests come back in send order per
-        target; each keeps its position in ``requests`` as ``prepared.batch_index``."""
+        target; each keeps its position in ``requests`` as ``prepared.batch_index``.
+
+        Raises:
+            InvalidBlockError, BlockTypeError, TypeError, DuplicateRequestError: for any bad
+                request (naming its index); nothing is recorded then: all or nothing.
+        """
+        checked = [_checked(item, index) for index, item in enumerate(requests)]
+        _check_request_ids(checked, [state.pilot for state in self._states.values()])
+        draft = _Draft()
         groups: dict[str, list[int]] = {}
-        pending: dict[str, int] = {}
-        pending_blocks: dict[str, set[str]] = {}
         reasons: dict[int, str] = {}
-        for index, item in enumerate(requests):
-            blocks, _ = normalize_blocks(item.blocks)
-            target, reasons[index] = self.choose(
-                blocks, item.conversation_id, pending=pending, pending_blocks=pending_blocks
-            )
-            groups.setdefault(target.name, []).append(index)
-            pending[target.name] = pending.get(target.name, 0) + 1
-            pending_blocks.setdefault(target.name, set()).update(block.id for block in blocks)
+        with self._lock:
+            for index, item in enumerate(checked):
+                cid = item.request.conversation_id
+                target, reasons[index] = self._decide(item.blocks, cid, (), draft)
+                draft.add(target, item.blocks, cid)
+                groups.setdefault(target.name, []).append(index)
         by_name = {t.name: t for t in self.targets}
         routed: list[Routed] = []
-        for name, indices in sorted(groups.items(), key=lambda item: -len(item[1])):
-            for prepared in self.pilot(name).plan([requests[i] for i in indices]):
-                original = indices[prepared.batch_index]  # type: ignore[index]
-                routed.append(Routed(replace(prepared, batch_index=original), by_name[name], reasons[original]))
+        try:
+            for name, indices in sorted(groups.items(), key=lambda item: -len(item[1])):
+                for prepared in self.pilot(name).plan([checked[i].request for i in indices]):
+                    original = indices[prepared.batch_index]  # type: ignore[index]
+                    prepared = replace(prepared, batch_index=original)
+                    routed.append(Routed(prepared, by_name[name], reasons[original], checked[original].kept_turns))
+        except BaseException:
+            for done in reversed(routed):  # a share planned before the failing one: undone
+                self.withdraw(done)
+            raise
+        with self._lock:
+            self._record(draft)
         return routed
+
+
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A batch request validated as the pilot would, before anything is recorded."""
+
+    request: BatchRequest
+    blocks: list[Block]
+    kept_turns: frozenset[int] | None
+
+
+def _checked(item: Any, index: int) -> _Checked:
+    request = _batch_request(item, index)
+    try:
+        blocks, _ = normalize_blocks(request.blocks)
+        _check_query(request.query)
+        _check_conversation_id(request.conversation_id)
+        kept = _check_kept_turns(request.kept_turns)
+        if request.request_id is not None:
+            _check_request_id(request.request_id)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"request #{index}: {exc}") from exc
+    return _Checked(request, blocks, kept)
+
+
+def _check_request_ids(checked: Sequence[_Checked], pilots: Sequence[ContextPilot]) -> None:
+    """Given request ids are unique in the batch and not live on any target."""
+    given = [item.request.request_id for item in checked if item.request.request_id is not None]
+    if len(set(given)) != len(given):
+        raise DuplicateRequestError("request ids repeat within the batch")
+    if given:
+        live = {rid for pilot in pilots for rid in pilot.live_request_ids()}
+        for index, item in enumerate(checked):
+            if item.request.request_id in live:
+                rid = item.request.request_id
+                raise DuplicateRequestError(f"request #{index}: request id {rid!r} is already in the index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,12 +552,21 @@ class RoutedResult:
     target: Target
     reason: str
     attempts: int
+    prepared: PreparedRequest
+    """The request as finally sent (prepared again on failover): its ``turn`` is the
+    conversation turn recorded, what the caller's later ``kept_turns`` refer to."""
 
 
 @dataclass
 class RoutingClient:
-    """Prepares, routes and sends; a failed target is routed around and the request sent
-    again elsewhere (prepared anew for that target's cache). Sync and async, thread-safe.
+    """Prepares, routes and sends; an unreachable target is routed around and the request
+    sent again elsewhere (prepared anew for that target's cache, with the same
+    ``kept_turns``). Sync and async, thread-safe.
+
+    A timeout (``timeout`` between chunks, or the ``deadline``) raises
+    :class:`~contextpilot_integrations.errors.EngineTimeout` without trying elsewhere: the
+    target is slow, not gone, and keeps its place and its predicted cache. A call that
+    raises leaves no trace of its request: its turn of a conversation is given back.
 
     Args:
         router: the routing state.
@@ -422,7 +621,8 @@ class RoutingClient:
         kept_turns: Collection[int] | None = None,
         **params: Any,
     ) -> RoutedResult:
-        """Prepare, route and send one request (``params`` go to :meth:`OpenAICompatClient.chat`)."""
+        """Prepare, route and send one request (``params`` go to :meth:`OpenAICompatClient.chat`,
+        e.g. the ``history`` of the turns in ``kept_turns``)."""
         return self.send(self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns), **params)
 
     def send(self, routed: Routed, **params: Any) -> RoutedResult:
@@ -431,9 +631,9 @@ class RoutingClient:
         while True:
             target = routed.target
             tried.append(target.name)
-            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)):
+            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)), self._withdrawn(routed):
                 result = self.client(target).chat(routed.prepared, **params)
-                return RoutedResult(result, target, routed.reason, len(tried))
+                return RoutedResult(result, target, routed.reason, len(tried), routed.prepared)
             routed = self._again(routed, tried)
 
     async def achat(
@@ -454,11 +654,26 @@ class RoutingClient:
         while True:
             target = routed.target
             tried.append(target.name)
-            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)):
+            with self.router.attempt(target, last=len(tried) >= len(self.router.targets)), self._withdrawn(routed):
                 result = await self.client(target).achat(routed.prepared, **params)
-                return RoutedResult(result, target, routed.reason, len(tried))
+                return RoutedResult(result, target, routed.reason, len(tried), routed.prepared)
             routed = self._again(routed, tried)
 
+    @contextmanager
+    def _withdrawn(self, routed: Routed) -> Iterator[None]:
+        """A send that fails (or is cancelled) withdraws its request before anything else:
+        the next try then takes the same conversation turn."""
+        try:
+            yield
+        except BaseException:
+            self.router.withdraw(routed)
+            raise
+
     def _again(self, routed: Routed, tried: Sequence[str]) -> Routed:
+        """The request prepared anew for a target not tried yet: the same blocks, question,
+        conversation and ``kept_turns`` (the history the caller sends is the same)."""
         prepared = routed.prepared
-        return self.router.prepare(list(prepared.ranking), prepared.query, prepared.conversation_id, exclude=tried)
+        again = self.router.prepare(
+            prepared.ranking, prepared.query, prepared.conversation_id, kept_turns=routed.kept_turns, exclude=tried
+        )
+        return replace(again, prepared=replace(again.prepared, merged_duplicates=prepared.merged_duplicates))
