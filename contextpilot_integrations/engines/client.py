@@ -268,10 +268,9 @@ class OpenAICompatClient:
         stream: bool = True,
         **params: Any,
     ) -> dict[str, Any]:
-        """The JSON body for a prepared request (history goes between system and prompt)."""
-        messages = prepared.to_messages(system_prompt)
-        if history:
-            messages[-1:-1] = history
+        """The JSON body for a prepared request (history goes between system and prompt; a
+        reference whose block it does not carry goes out as the block's text)."""
+        messages: list[dict[str, Any]] = list(prepared.to_messages(system_prompt, history or ()))
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
