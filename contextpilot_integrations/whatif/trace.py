@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,10 @@ class TraceRequest(BaseModel):
     def _distinct_blocks(cls, blocks: tuple[str, ...]) -> tuple[str, ...]:
         if any(not block for block in blocks):
             raise ValueError("block ids must be non-empty strings")
-        if len(set(blocks)) != len(blocks):
-            repeated = sorted({b for b in blocks if blocks.count(b) > 1})
-            raise ValueError(f"block ids repeat within the request: {repeated}")
+        if len(set(blocks)) != len(blocks):  # counted once (a line may hold a million ids)
+            repeated = sorted(block for block, count in Counter(blocks).items() if count > 1)
+            more = f" and {len(repeated) - 10:,} more" if len(repeated) > 10 else ""
+            raise ValueError(f"block ids repeat within the request: {repeated[:10]}{more}")
         return blocks
 
     @field_validator("tokens")
