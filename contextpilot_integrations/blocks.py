@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import BlockTypeError, DuplicateBlockError, InvalidBlockError
+from .usage import MAX_TOKENS
 
 __all__ = ["Block", "BlockLike", "content_id", "normalize_blocks"]
 
@@ -37,7 +38,8 @@ class Block(BaseModel):
         text: the content sent to the model; must be a non-blank ``str``.
         rank: position in the retriever's ranking (0 = best); ``None`` until known.
         metadata: free-form data carried along untouched (scores, sources...).
-        tokens: token count if known; otherwise estimated from the text length.
+        tokens: token count if known (at most :data:`~.usage.MAX_TOKENS`); otherwise
+            estimated from the text length.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -46,7 +48,7 @@ class Block(BaseModel):
     text: str
     rank: int | None = Field(default=None, ge=0)
     metadata: Mapping[str, Any] = Field(default_factory=dict)
-    tokens: int | None = Field(default=None, gt=0)
+    tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
 
     def __init__(self, **data: Any) -> None:
         try:

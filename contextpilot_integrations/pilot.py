@@ -30,6 +30,7 @@ from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
+from .usage import check_usage
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats", "find_prepared", "prepared_by_id"]
 
@@ -428,11 +429,10 @@ class ContextPilot:
         """Add the engine's own token accounting for a served request to the statistics.
 
         Raises:
-            TypeError, ValueError: a count is not a non-negative int (nothing is recorded).
+            TypeError, ValueError: a count is not an int in 0..MAX_TOKENS, or the cached
+                tokens exceed the prompt tokens (nothing is recorded).
         """
-        for name, value in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)):
-            if value is not None:
-                _check_count(name, value)
+        check_usage(prompt_tokens, cached_tokens)
         with self._lock:
             counters = self._counters
             counters.engine_requests += 1

@@ -201,3 +201,38 @@ def test_a_long_line_with_a_repeated_block_is_refused_quickly(
     err = capsys.readouterr().err
     first_ten = sorted(ids[:40_000])[:10]
     assert f"block ids repeat within the request: {first_ten} and 39,990 more" in err
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ("[1000000000000000000000000000000, 1]", "t.jsonl:2: tokens: Value error, the blocks add up to more than"),
+        ("[2000000000, 2000000000]", "t.jsonl:2: tokens: Value error, the blocks add up to more than 2,147,483,647"),
+        ("[true, 1]", "t.jsonl:2: tokens.0: Input should be a valid integer"),
+        ("[1.0, 1]", "t.jsonl:2: tokens.0: Input should be a valid integer"),
+        ("[1" + "0" * 5000 + ", 1]", "t.jsonl:2: a JSON number too long to read"),
+    ],
+)
+def test_token_counts_no_prompt_can_hold_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tokens: str, message: str
+) -> None:
+    """10**30 or ``true`` tokens used to be read (and broke the table); FILE:LINE, exit 2."""
+    trace = tmp_path / "t.jsonl"
+    good = '{"id": "a", "blocks": ["x", "y"], "tokens": [3, 4]}\n'
+    trace.write_text(good + '{"id": "b", "blocks": ["y", "x"], "tokens": ' + tokens + "}\n", encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_a_turn_given_as_true_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "blocks": ["x"], "conversation": "c", "turn": true}\n', encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    assert "t.jsonl:1: turn: Input should be a valid integer" in capsys.readouterr().err
+
+
+def test_token_options_beyond_any_prompt_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--answer-tokens", str(10**30)])
+    assert exited.value.code == 2 and "must be at most 2,147,483,647" in capsys.readouterr().err
