@@ -127,15 +127,22 @@ def normalize_blocks(items: Iterable[BlockLike]) -> tuple[list[Block], list[str]
     Returns:
         The blocks in retrieval order, and the ids of merged duplicates.
     """
-    if isinstance(items, (str, bytes, Mapping, Block)):
-        raise BlockTypeError("blocks must be a sequence of blocks, not a single value")
-    if not isinstance(items, Iterable):
-        raise BlockTypeError(f"blocks must be a sequence of blocks (Block, str or mapping), got {type(items).__name__}")
+    if type(items) is not list and type(items) is not tuple:  # those two pass both checks: skip the ABCs
+        if isinstance(items, (str, bytes, Mapping, Block)):
+            raise BlockTypeError("blocks must be a sequence of blocks, not a single value")
+        if not isinstance(items, Iterable):
+            raise BlockTypeError(
+                f"blocks must be a sequence of blocks (Block, str or mapping), got {type(items).__name__}"
+            )
     items = list(items)
-    if all(type(item) is Block and item.rank is None for item in items):
-        by_id = {item.id: item for item in items}  # type: ignore[union-attr]
-        if len(by_id) == len(items):
-            return items, []  # type: ignore[return-value]  # the common case: nothing to do
+    ids = set()
+    for item in items:  # the common case, Blocks without ranks and distinct ids: nothing to do
+        if type(item) is not Block or item.rank is not None:
+            break
+        ids.add(item.id)
+    else:
+        if len(ids) == len(items):
+            return items, []  # type: ignore[return-value]
     seen: dict[str, tuple[int, int, Block]] = {}
     merged: list[str] = []
     needs_sort = False
