@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import BlockTypeError, DuplicateBlockError, InvalidBlockError
+from .usage import MAX_TOKENS
 
 __all__ = ["Block", "BlockLike", "content_id", "normalize_blocks"]
 
@@ -37,7 +38,8 @@ class Block(BaseModel):
         text: the content sent to the model; must be a non-blank ``str``.
         rank: position in the retriever's ranking (0 = best); ``None`` until known.
         metadata: free-form data carried along untouched (scores, sources...).
-        tokens: token count if known; otherwise estimated from the text length.
+        tokens: token count if known (at most :data:`~.usage.MAX_TOKENS`); otherwise
+            estimated from the text length.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -46,7 +48,7 @@ class Block(BaseModel):
     text: str
     rank: int | None = Field(default=None, ge=0)
     metadata: Mapping[str, Any] = Field(default_factory=dict)
-    tokens: int | None = Field(default=None, gt=0)
+    tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -125,15 +127,22 @@ def normalize_blocks(items: Iterable[BlockLike]) -> tuple[list[Block], list[str]
     Returns:
         The blocks in retrieval order, and the ids of merged duplicates.
     """
-    if isinstance(items, (str, bytes, Mapping, Block)):
-        raise BlockTypeError("blocks must be a sequence of blocks, not a single value")
-    if not isinstance(items, Iterable):
-        raise BlockTypeError(f"blocks must be a sequence of blocks (Block, str or mapping), got {type(items).__name__}")
+    if type(items) is not list and type(items) is not tuple:  # those two pass both checks: skip the ABCs
+        if isinstance(items, (str, bytes, Mapping, Block)):
+            raise BlockTypeError("blocks must be a sequence of blocks, not a single value")
+        if not isinstance(items, Iterable):
+            raise BlockTypeError(
+                f"blocks must be a sequence of blocks (Block, str or mapping), got {type(items).__name__}"
+            )
     items = list(items)
-    if all(type(item) is Block and item.rank is None for item in items):
-        by_id = {item.id: item for item in items}  # type: ignore[union-attr]
-        if len(by_id) == len(items):
-            return items, []  # type: ignore[return-value]  # the common case: nothing to do
+    ids = set()
+    for item in items:  # the common case, Blocks without ranks and distinct ids: nothing to do
+        if type(item) is not Block or item.rank is not None:
+            break
+        ids.add(item.id)
+    else:
+        if len(ids) == len(items):
+            return items, []  # type: ignore[return-value]
     seen: dict[str, tuple[int, int, Block]] = {}
     merged: list[str] = []
     needs_sort = False

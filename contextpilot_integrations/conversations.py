@@ -30,7 +30,9 @@ __all__ = ["ConversationStore", "Deduplication"]
 @dataclass
 class _Conversation:
     turns: int = 0
-    carrier: dict[str, tuple[int, int]] = field(default_factory=dict)  # block id -> (turn, text fingerprint)
+    # block id -> (turn, fingerprint of its text): ``hash(block.text)``, which ``str`` caches,
+    # so it costs nothing after the first use
+    carrier: dict[str, tuple[int, int]] = field(default_factory=dict)
     ambiguous: set[str] = field(default_factory=set)  # ids seen with two texts: always sent in full
     last_used: float = 0.0
 
@@ -45,11 +47,6 @@ class Deduplication:
     repeated: list[tuple[Block, int]]  # (block, turn that carries it)
     updated: tuple[str, ...] = ()
     """Ids an earlier turn carried with a different text (sent in full again)."""
-
-
-def _fingerprint(block: Block) -> int:
-    """The text's identity; ``str`` caches its hash, so this is free after the first use."""
-    return hash(block.text)
 
 
 class ConversationStore:
@@ -89,15 +86,18 @@ class ConversationStore:
                 ``None`` means all of them.
         """
         self._expire()
-        conversation = self._conversations.get(conversation_id) or _Conversation()
+        conversation = self._conversations.get(conversation_id)
+        if conversation is None or not conversation.carrier:  # a first turn: every block is fresh
+            return Deduplication(conversation_id, conversation.turns if conversation else 0, list(blocks), [])
+        carrier, ambiguous = conversation.carrier, conversation.ambiguous
         fresh: list[Block] = []
         repeated: list[tuple[Block, int]] = []
         updated: list[str] = []
         for block in blocks:
-            carried = conversation.carrier.get(block.id)
-            if carried is None or block.id in conversation.ambiguous:
+            carried = carrier.get(block.id)
+            if carried is None or (ambiguous and block.id in ambiguous):
                 fresh.append(block)
-            elif carried[1] != _fingerprint(block):
+            elif carried[1] != hash(block.text):  # the same id with another text
                 fresh.append(block)
                 updated.append(block.id)
             elif kept_turns is None or carried[0] in kept_turns:
@@ -117,9 +117,10 @@ class ConversationStore:
             self._conversations.move_to_end(dedup.conversation_id)
         if conversation.turns != dedup.turn:
             raise RuntimeError("the conversation moved on between split() and record()")
-        conversation.ambiguous.update(dedup.updated)
-        for block in dedup.fresh:
-            conversation.carrier[block.id] = (dedup.turn, _fingerprint(block))
+        if dedup.updated:
+            conversation.ambiguous.update(dedup.updated)
+        turn = dedup.turn
+        conversation.carrier.update({block.id: (turn, hash(block.text)) for block in dedup.fresh})
         conversation.turns += 1
         conversation.last_used = self._clock()
 

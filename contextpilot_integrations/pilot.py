@@ -29,6 +29,7 @@ from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
+from .usage import check_usage
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -225,7 +226,7 @@ class ContextPilot:
         if conversation_id is not None:
             dedup = self._conversations.split(conversation_id, blocks, kept_turns)
             turn, fresh = dedup.turn, dedup.fresh
-            references = tuple(make_reference(b, t, self.templates) for b, t in dedup.repeated)
+            references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
         cached_blocks = cached_tokens = 0
         if turn:
             # later turns start with this conversation's own history, which no other
@@ -234,22 +235,25 @@ class ContextPilot:
             if planned_order is not None:
                 self._strategy.forget(rid)
         else:
-            keys = [block.id for block in fresh]
+            keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
-            sent = [by_id[key] for key in order]
+            sent = list(map(by_id.__getitem__, order))
             cached_blocks = self._trie.insert(rid, order)
-            cached_tokens = sum([block.token_count for block in sent[:cached_blocks]]) if cached_blocks else 0
             self._live[rid] = next(self._ticks)
             self._orders[rid] = tuple(order)
             self._enforce_bound()
+        sizes = [block.token_count for block in sent]
+        if cached_blocks:
+            cached_tokens = sum(sizes[:cached_blocks])
         if dedup is not None:
             self._conversations.record(dedup)
         counters = self._counters
         counters.prepared += 1
         counters.blocks_sent += len(sent)
-        counters.tokens_sent += sum([block.token_count for block in sent])
-        counters.blocks_referenced += len(references)
-        counters.tokens_referenced += sum([r.block.token_count for r in references])
+        counters.tokens_sent += sum(sizes)
+        if references:
+            counters.blocks_referenced += len(references)
+            counters.tokens_referenced += sum([r.block.token_count for r in references])
         counters.cached_blocks += cached_blocks
         counters.cached_tokens += cached_tokens
         prepared = PreparedRequest(
@@ -427,11 +431,10 @@ class ContextPilot:
         """Add the engine's own token accounting for a served request to the statistics.
 
         Raises:
-            TypeError, ValueError: a count is not a non-negative int (nothing is recorded).
+            TypeError, ValueError: a count is not an int in 0..MAX_TOKENS, or the cached
+                tokens exceed the prompt tokens (nothing is recorded).
         """
-        for name, value in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)):
-            if value is not None:
-                _check_count(name, value)
+        check_usage(prompt_tokens, cached_tokens)
         with self._lock:
             counters = self._counters
             counters.engine_requests += 1
@@ -668,10 +671,18 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+_TURN_COLLECTIONS = (list, tuple, set, frozenset, range)
+_INT_ONLY = frozenset({int})
+
+
 def _check_kept_turns(kept_turns: object) -> frozenset[int] | None:
     """``None`` or a collection of turn numbers (ints >= 0), as a frozenset."""
     if kept_turns is None:
         return None
+    if isinstance(kept_turns, _TURN_COLLECTIONS) and _INT_ONLY.issuperset(map(type, kept_turns)):
+        given = frozenset(kept_turns)  # the common case, checked in C: plain ints
+        if not given or min(given) >= 0:
+            return given
     if isinstance(kept_turns, (str, bytes, Mapping)) or not isinstance(kept_turns, Iterable):
         raise TypeError(f"kept_turns must be a collection of turn numbers (e.g. {{0, 2}}) or None, got {kept_turns!r}")
     turns = list(kept_turns)

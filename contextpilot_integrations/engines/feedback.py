@@ -14,12 +14,16 @@ Used by :class:`~.client.OpenAICompatClient` and the framework adapters alike.
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
 from ..binding import Binding
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
+from ..usage import check_usage
 
 __all__ = [
     "Binding",
@@ -29,6 +33,8 @@ __all__ = [
     "report_failed",
     "report_served",
 ]
+
+_log = logging.getLogger(__name__)
 
 SHORTFALL = 0.9
 """Below this share of the predicted cached tokens, the engine had less than predicted."""
@@ -89,16 +95,39 @@ def report_served(
 ) -> int:
     """Record a served request: the engine's counts in the pilot's statistics, the prompt's
     token ids with the event tracker, and, with ``usage_feedback``, a shortfall of cached
-    blocks in the index. Returns how many live requests the feedback shortened."""
+    blocks in the index. Returns how many live requests the feedback shortened.
+
+    Counts the engine got wrong (not ints, out of range, more cached than prompt tokens)
+    are not reported: the call itself succeeded, so a warning is logged (once) instead."""
     if tracker is not None and input_ids:
         tracker.track(prepared.request_id, input_ids)
     if pilot is None:
+        return 0
+    try:
+        check_usage(prompt_tokens, cached_tokens)
+    except (TypeError, ValueError) as exc:
+        _warn_once(pilot, f"the engine's usage for request {prepared.request_id!r} is not reported to the pilot: {exc}")
         return 0
     pilot.record_usage(prepared, prompt_tokens, cached_tokens)
     if not usage_feedback or prompt_tokens is None or cached_tokens is None or not prepared.cached_blocks:
         return 0
     held = cached_blocks_from_usage(prepared, prompt_tokens, cached_tokens, before_tokens)
     return pilot.observe_cached(prepared, held)
+
+
+_warned: weakref.WeakSet[ContextPilot] = weakref.WeakSet()  # pilots whose engine sent a bad report
+_warned_lock = threading.Lock()
+
+
+def _warn_once(pilot: ContextPilot, message: str) -> None:
+    """A pilot's first bad report is a warning; later ones (its engine again) go to debug."""
+    with _warned_lock:
+        first = pilot not in _warned
+        _warned.add(pilot)
+    if first:
+        _log.warning("%s (later ones for this pilot are logged at debug level)", message)
+    else:
+        _log.debug(message)
 
 
 def report_failed(pilot: ContextPilot | None, prepared: PreparedRequest, tracker: EventTracker | None = None) -> None:

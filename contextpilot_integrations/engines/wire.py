@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import EngineError
+from ..usage import check_token_count
 
 __all__ = [
     "REQUEST_ID_FIELDS",
@@ -125,13 +126,17 @@ def event_to_dict(event: Any) -> dict[str, Any]:
 def _count(value: object, what: str, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineError(f"{where} answered a malformed {what}: {value!r}")
-    return value
+    try:
+        return check_token_count(what, value)
+    except (TypeError, ValueError) as exc:
+        raise EngineError(f"{where} answered a malformed {what}: {exc}") from None
 
 
 def usage(raw: object, where: str) -> dict[str, Any]:
-    """The ``usage`` object, checked: counts are non-negative ints where present."""
+    """The ``usage`` object, checked: counts are ints in 0..MAX_TOKENS where present.
+
+    Cached tokens above the prompt tokens are left to the caller (the answer itself is
+    fine; :func:`~.feedback.report_served` skips such a report with a warning)."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -10,7 +10,7 @@ Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` gua
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from ..errors import DuplicateRequestError
 
@@ -28,10 +28,6 @@ class _Node(Generic[K]):
         self.children: dict[K, _Node[K]] = {}
         self.count = count  # live requests whose path passes through (or ends at) this node
         self.request_ids: set[str] | None = None  # requests whose path ends here
-
-
-def _by_count_then_key(item: tuple[Any, _Node[Any]]) -> tuple[int, Any]:
-    return item[1].count, item[0]
 
 
 class PrefixTrie(Generic[K]):
@@ -87,12 +83,13 @@ class PrefixTrie(Generic[K]):
         """
         best: tuple[K, ...] = ()
         budget = self.max_search_nodes
-        wanted = frozenset(keys)
+        wanted = set(keys)  # an exact set: ``children.keys() & wanted`` walks the smaller side, in C
         size = len(wanted)
         # a root path never repeats a block, so the blocks still usable below a node are
         # simply ``wanted``: nothing on the path above can appear again
         # entries are expanded lazily: (node, path to its parent, its key)
         stack: list[tuple[_Node[K], tuple[K, ...], K | None]] = [(self.root, (), None)]
+        found: list[tuple[int, K, _Node[K]]] = []  # (live requests through it, key, child)
         while stack and budget > 0:
             node, path, key = stack.pop()
             if key is not None:
@@ -100,21 +97,29 @@ class PrefixTrie(Generic[K]):
             budget -= 1
             while True:  # follow the path while it does not branch
                 children = node.children
-                if len(children) < size:
-                    found = [(k, child) for k, child in children.items() if k in wanted]
-                else:
-                    found = [(k, child) for k in wanted if (child := children.get(k)) is not None]
-                if len(found) != 1:
+                if len(children) == 1:  # most nodes below the first few levels
+                    [(key, child)] = children.items()
+                    if key in wanted:
+                        path += (key,)
+                        node = child
+                        continue
+                    found = []
                     break
-                key, node = found[0]
-                path += (key,)
+                common = children.keys() & wanted
+                if len(common) == 1:
+                    key = common.pop()
+                    path += (key,)
+                    node = children[key]
+                    continue
+                found = [(children[k].count, k, children[k]) for k in common]
+                break
             if len(path) > len(best):
                 best = path
                 if len(path) == size:
                     break
             if found:
-                found.sort(key=_by_count_then_key)  # most-shared child explored first
-                stack.extend((child, path, k) for k, child in found)
+                found.sort()  # most-shared child explored first (keys differ: nodes are never compared)
+                stack.extend([(child, path, k) for _, k, child in found])
         return list(best)
 
     # ---- updates -----------------------------------------------------------------

@@ -14,6 +14,7 @@ time) and of a whole batch (offline). What the engine holds is tracked separatel
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -122,22 +123,21 @@ class TrieStrategy(Strategy):
         self.exact_limit = exact_limit
         self.merge_penalty = merge_penalty
         self.max_tracked_blocks = max_tracked_blocks
-        self._requested: dict[str, int] = {}  # block -> requests that carried it (decayed)
+        self._requested: Counter[str] = Counter()  # block -> requests that carried it (decayed)
 
     def _count(self, keys: Sequence[str]) -> None:
         requested = self._requested
-        for key in keys:
-            requested[key] = requested.get(key, 0) + 1
+        requested.update(keys)  # counted in C
         if len(requested) > self.max_tracked_blocks:
             self._decay()
 
     def _decay(self) -> None:
         """Halve every count and drop the blocks left at zero: the map stays bounded, and
         recent popularity weighs more than old (amortised: runs once per many new blocks)."""
-        self._requested = {key: count >> 1 for key, count in self._requested.items() if count > 1}
+        self._requested = Counter({key: count >> 1 for key, count in self._requested.items() if count > 1})
         if len(self._requested) > self.max_tracked_blocks // 2:  # all seen twice or more: keep the top half
             ranked = sorted(self._requested.items(), key=lambda item: -item[1])
-            self._requested = dict(ranked[: self.max_tracked_blocks // 2])
+            self._requested = Counter(dict(ranked[: self.max_tracked_blocks // 2]))
 
     @property
     def tracked_blocks(self) -> int:
@@ -150,7 +150,9 @@ class TrieStrategy(Strategy):
         taken = set(head)
         requested = self._requested
         tail = [key for key in keys if key not in taken]
-        tail.sort(key=lambda key: -requested.get(key, 0))  # stable: retrieval order among equals
+        # most requested first; stable (reverse keeps it): retrieval order among equals;
+        # a block the decay just dropped counts 0 (a Counter's missing key)
+        tail.sort(key=requested.__getitem__, reverse=True)
         return head + tail
 
     def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> PlannedBatch:
@@ -167,7 +169,7 @@ class TrieStrategy(Strategy):
             self._count(keys)
 
     def reset(self) -> None:
-        self._requested = {}
+        self._requested = Counter()
 
 
 class PaperStrategy(Strategy):

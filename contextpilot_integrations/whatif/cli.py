@@ -21,6 +21,7 @@ from .. import __version__
 from ..engines.router import Router
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
+from ..usage import MAX_TOKENS
 from .engine_compare import EngineComparison, EngineComparisonError
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
@@ -76,7 +77,9 @@ def _count(minimum: int) -> type:
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text:.20}")
+        if value > MAX_TOKENS:
+            raise argparse.ArgumentTypeError(f"must be at most {MAX_TOKENS:,}, got {text:.20}")
         return value
 
     return parse  # type: ignore[return-value]

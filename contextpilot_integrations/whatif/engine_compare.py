@@ -28,6 +28,7 @@ from ..engines.client import OpenAICompatClient
 from ..errors import ContextPilotError, EngineError
 from ..pilot import BatchRequest, ContextPilot
 from ..prepared import PreparedRequest
+from ..usage import check_usage
 from .llama_server import ServerProcess
 from .replay import SYSTEM_PROMPT, arrival_order
 from .trace import TraceRequest, turns_in_order
@@ -274,6 +275,10 @@ class _Sender:
         result = self.client.chat(
             prepared, system_prompt=SYSTEM_PROMPT, history=history, max_tokens=max(1, answer), temperature=0
         )
+        try:  # the client kept the answer; a comparison cannot keep a count above 100%
+            check_usage(result.prompt_tokens, result.cached_tokens)
+        except (TypeError, ValueError) as exc:
+            raise EngineError(f"{self.client.where} reported for request {prepared.request_id!r}: {exc}") from None
         self.record.ttft_s.append(result.ttft_s)
         self.record.prompt_tokens += result.prompt_tokens or 0
         self.record.cached_tokens += result.cached_tokens or 0

@@ -4,7 +4,8 @@
 "history_turns"?, "session"?}``:
 
 - ``blocks``: block ids in retrieval order (strings; integers are accepted and stringified);
-- ``tokens``: each block's token count. Without it, counts are estimated from ``texts``
+- ``tokens``: each block's token count (whole numbers > 0, together at most
+  :data:`~contextpilot_integrations.usage.MAX_TOKENS`, 2**31 - 1). Without it, counts are estimated from ``texts``
   (about four characters a token, the estimate :class:`~contextpilot_integrations.Block`
   uses), and without texts each block counts as one token;
 - ``texts``: each block's text (needed to send the trace to a real engine);
@@ -18,14 +19,16 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..blocks import CHARS_PER_TOKEN
 from ..errors import ContextPilotError
+from ..usage import MAX_TOKENS
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -65,12 +68,12 @@ class TraceRequest(BaseModel):
 
     id: str = Field(min_length=1)
     blocks: tuple[str, ...] = Field(min_length=1)
-    tokens: tuple[int, ...] | None = None
+    tokens: tuple[Annotated[int, Field(strict=True)], ...] | None = None
     texts: tuple[str, ...] | None = None
     question: str | None = None
     conversation: str | None = Field(default=None, min_length=1)
-    turn: int | None = Field(default=None, ge=0)
-    history_turns: int | None = Field(default=None, ge=0)
+    turn: int | None = Field(default=None, ge=0, strict=True)
+    history_turns: int | None = Field(default=None, ge=0, strict=True)
     session: str | None = Field(default=None, min_length=1)
 
     @field_validator("id", "conversation", "session", mode="before")
@@ -88,16 +91,21 @@ class TraceRequest(BaseModel):
     def _distinct_blocks(cls, blocks: tuple[str, ...]) -> tuple[str, ...]:
         if any(not block for block in blocks):
             raise ValueError("block ids must be non-empty strings")
-        if len(set(blocks)) != len(blocks):
-            repeated = sorted({b for b in blocks if blocks.count(b) > 1})
-            raise ValueError(f"block ids repeat within the request: {repeated}")
+        if len(set(blocks)) != len(blocks):  # counted once (a line may hold a million ids)
+            repeated = sorted(block for block, count in Counter(blocks).items() if count > 1)
+            more = f" and {len(repeated) - 10:,} more" if len(repeated) > 10 else ""
+            raise ValueError(f"block ids repeat within the request: {repeated[:10]}{more}")
         return blocks
 
     @field_validator("tokens")
     @classmethod
-    def _positive_tokens(cls, tokens: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if tokens is not None and any(count <= 0 for count in tokens):
+    def _tokens_fit_a_prompt(cls, tokens: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if tokens is None:
+            return None
+        if any(count <= 0 for count in tokens):
             raise ValueError("token counts must be positive")
+        if sum(tokens) > MAX_TOKENS:
+            raise ValueError(f"the blocks add up to more than {MAX_TOKENS:,} tokens, more than any prompt holds")
         return tokens
 
     @model_validator(mode="after")
@@ -171,6 +179,8 @@ def _parse_line(line: str, where: str) -> TraceRequest:
         raise TraceError(f"{where}: not valid JSON ({exc.msg})") from exc
     except RecursionError:
         raise TraceError(f"{where}: JSON nested too deeply") from None
+    except ValueError:  # an integer of 4,300+ digits: Python refuses to parse it
+        raise TraceError(f"{where}: a JSON number too long to read (over 4,300 digits)") from None
     if not isinstance(data, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(data).__name__}")
     try:

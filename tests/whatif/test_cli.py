@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,60 @@ def test_online_routing_across_engines(capsys: pytest.CaptureFixture[str]) -> No
     ours, baseline = rows[("trie", "cache_aware")], rows[("retrieval", "round_robin")]
     assert ours["hit_ratio"] > 5 * baseline["hit_ratio"] and ours["max_load_share"] <= 1.5
     assert len(ours["requests_per_target"]) == 3 and sum(ours["requests_per_target"]) == 2_556
+
+
+def test_a_long_line_with_a_repeated_block_is_refused_quickly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """80,000 block ids with one repeat: the check counts once (it took 41 s per line)."""
+    ids = [f"b{n}" for n in range(80_000)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"id": "a", "blocks": [*ids, "b7"]}) + "\n", encoding="utf-8")
+    start = time.perf_counter()
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    assert "t.jsonl:1: blocks: " in err and "block ids repeat within the request: ['b7']" in err
+    # every id repeated: the message names the first ten and counts the rest
+    trace.write_text(json.dumps({"id": "a", "blocks": ids[:40_000] * 2}) + "\n", encoding="utf-8")
+    start = time.perf_counter()
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    first_ten = sorted(ids[:40_000])[:10]
+    assert f"block ids repeat within the request: {first_ten} and 39,990 more" in err
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ("[1000000000000000000000000000000, 1]", "t.jsonl:2: tokens: Value error, the blocks add up to more than"),
+        ("[2000000000, 2000000000]", "t.jsonl:2: tokens: Value error, the blocks add up to more than 2,147,483,647"),
+        ("[true, 1]", "t.jsonl:2: tokens.0: Input should be a valid integer"),
+        ("[1.0, 1]", "t.jsonl:2: tokens.0: Input should be a valid integer"),
+        ("[1" + "0" * 5000 + ", 1]", "t.jsonl:2: a JSON number too long to read"),
+    ],
+)
+def test_token_counts_no_prompt_can_hold_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tokens: str, message: str
+) -> None:
+    """10**30 or ``true`` tokens used to be read (and broke the table); FILE:LINE, exit 2."""
+    trace = tmp_path / "t.jsonl"
+    good = '{"id": "a", "blocks": ["x", "y"], "tokens": [3, 4]}\n'
+    trace.write_text(good + '{"id": "b", "blocks": ["y", "x"], "tokens": ' + tokens + "}\n", encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_a_turn_given_as_true_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "blocks": ["x"], "conversation": "c", "turn": true}\n', encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    assert "t.jsonl:1: turn: Input should be a valid integer" in capsys.readouterr().err
+
+
+def test_token_options_beyond_any_prompt_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--answer-tokens", str(10**30)])
+    assert exited.value.code == 2 and "must be at most 2,147,483,647" in capsys.readouterr().err
