@@ -142,7 +142,7 @@ class ConversationStore:
             return
         for block in blocks:
             if block.id not in conversation.ambiguous:
-                conversation.carrier[block.id] = (turn, _fingerprint(block))
+                conversation.carrier[block.id] = (turn, hash(block.text))
 
     def forget_turn(self, conversation_id: str, turn: int) -> int:
         """A turn never reached the model: blocks it carried are no longer seen.
