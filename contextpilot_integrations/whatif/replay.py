@@ -174,7 +174,7 @@ def prompt_units(
         tokens = estimate_tokens(reference.text)
         reference_tokens += tokens
         units.append(_unit("reference", rid, tokens, reference.block.id))
-    if shape.annotate and prepared.ranking:
+    if shape.annotate and prepared.order_annotation:  # none when the retriever's order is kept
         units.append(_unit("annotation", rid, estimate_tokens(prepared.order_annotation)))
     if shape.questions:
         question = estimate_tokens(request.question) if request.question else shape.question_tokens
