@@ -12,16 +12,20 @@ first and plans each target's share), and releases the callers in schedule order
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .blocks import BlockLike
-from .pilot import BatchRequest
+from .blocks import Block, BlockLike, normalize_blocks
+from .pilot import BatchRequest, _check_conversation_id, _check_kept_turns, _check_query
 from .prepared import PreparedRequest
 
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
+
+_log = logging.getLogger(__name__)
 
 
 class Planner(Protocol):
@@ -35,17 +39,60 @@ def _prepared_of(result: Any) -> PreparedRequest:
     return result if isinstance(result, PreparedRequest) else result.prepared
 
 
-@dataclass
+class _State(enum.Enum):
+    QUEUED = "queued"  # in the open batch
+    PLANNING = "planning"  # taken by a flush, not settled yet
+    READY = "ready"  # result or error handed to the caller's thread or loop
+    GONE = "gone"  # the caller left (cancelled, interrupted, its loop closed)
+
+
+@dataclass(eq=False)
 class _Waiter:
     request: BatchRequest
+    loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future[Any] | None = None
     event: threading.Event = field(default_factory=threading.Event)
+    state: _State = _State.QUEUED
     result: Any = None
     error: BaseException | None = None
 
 
+_Outcome = tuple[_Waiter, Any, BaseException | None]
+"""A waiter, and its planned request or the error its caller gets."""
+
+
+def _checked_request(
+    blocks: Iterable[BlockLike], query: object, conversation_id: object, kept_turns: object
+) -> BatchRequest:
+    """Validate one request in its caller's own call, so bad input fails that caller alone
+    (a planner refuses a whole batch for one bad request)."""
+    if not isinstance(blocks, (str, bytes, Mapping, Block)) and isinstance(blocks, Iterable):
+        blocks = list(blocks)  # an iterator is read once: here, not again when planned
+    normalize_blocks(blocks)
+    _check_query(query)
+    _check_conversation_id(conversation_id)
+    kept = _check_kept_turns(kept_turns)
+    return BatchRequest(blocks, query, conversation_id, kept)  # type: ignore[arg-type]
+
+
+def _on_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class MicroBatcher:
     """Gathers requests for ``window`` seconds (at most ``max_batch``), plans them together.
+
+    The window is timed by a thread, not by any caller's event loop, so threads and any
+    number of event loops can share one batcher, and a loop that stops or closes strands
+    nobody. A caller that leaves (cancelled, timed out, its loop closed) is taken out of
+    its batch, or, if its request was already planned, the request is discarded from the
+    planner's index: nothing stays live that nobody will send.
+
+    ``batches`` and ``requests`` count what was planned, once each batch's callers are served.
 
     Args:
         planner: a :class:`~contextpilot_integrations.ContextPilot`, or a
@@ -65,7 +112,8 @@ class MicroBatcher:
         self.requests = 0
         self._lock = threading.Lock()
         self._pending: list[_Waiter] = []
-        self._timer: threading.Timer | asyncio.TimerHandle | None = None
+        self._timer: threading.Timer | None = None
+        self._generation = 0  # which open batch a timer belongs to (a late timer plans nothing)
 
     # ---- async ------------------------------------------------------------------------------
     async def aprepare(
@@ -77,13 +125,21 @@ class MicroBatcher:
         kept_turns: Collection[int] | None = None,
     ) -> Any:
         """Wait for the rest of the burst, then this request's place in the planned batch
-        (what the planner's ``plan`` gives: a prepared request, or a routed one)."""
+        (what the planner's ``plan`` gives: a prepared request, or a routed one).
+
+        Raises:
+            InvalidBlockError, BlockTypeError, TypeError: this request is invalid (the
+                other requests of its batch are planned without it).
+        """
+        request = _checked_request(blocks, query, conversation_id, kept_turns)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(BatchRequest(blocks, query, conversation_id, kept_turns), loop.create_future())
-        flush_now = self._add(waiter, lambda: loop.call_later(self.window, self._flush))
-        if flush_now:
-            self._flush()
-        return await waiter.future  # type: ignore[misc]
+        waiter = _Waiter(request, loop, loop.create_future())
+        self._run(self._add(waiter, flush_now=False))
+        try:
+            return await waiter.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            self._leave(waiter)
+            raise
 
     # ---- threads -----------------------------------------------------------------------------
     def prepare(
@@ -94,79 +150,161 @@ class MicroBatcher:
         *,
         kept_turns: Collection[int] | None = None,
     ) -> Any:
-        """Blocking variant of :meth:`aprepare`, for threads (LangChain's ``batch``)."""
-        waiter = _Waiter(BatchRequest(blocks, query, conversation_id, kept_turns))
+        """Blocking variant of :meth:`aprepare`, for threads (LangChain's ``batch``).
 
-        def start() -> threading.Timer:
-            timer = threading.Timer(self.window, self._flush)
-            timer.daemon = True
-            timer.start()
-            return timer
-
-        if self._add(waiter, start):
-            self._flush()
-        waiter.event.wait()
+        Called on an event loop's thread, it plans the open batch at once rather than
+        block that loop for the window (the loop's own callers are in that batch)."""
+        waiter = _Waiter(_checked_request(blocks, query, conversation_id, kept_turns))
+        self._run(self._add(waiter, flush_now=_on_running_loop()))
+        try:
+            waiter.event.wait()
+        except BaseException:  # interrupted: nobody will send this request
+            self._leave(waiter)
+            raise
         if waiter.error is not None:
             raise waiter.error
         return waiter.result
 
-    # ---- shared -------------------------------------------------------------------------------
-    def _add(self, waiter: _Waiter, start_timer: Any) -> bool:
-        """Queue a waiter; returns whether the batch is full (plan it now)."""
+    # ---- the batch -----------------------------------------------------------------------------
+    def _add(self, waiter: _Waiter, *, flush_now: bool) -> list[_Waiter]:
+        """Queue a waiter; returns the batch to plan now (full, or ``flush_now``), else []."""
         with self._lock:
             self._pending.append(waiter)
-            if len(self._pending) >= self.max_batch:
-                return True
+            if flush_now or len(self._pending) >= self.max_batch:
+                return self._take_locked()
             if self._timer is None:
-                self._timer = start_timer()
-            return False
+                self._timer = threading.Timer(self.window, self._on_timer, args=(self._generation,))
+                self._timer.daemon = True
+                self._timer.start()
+            return []
 
-    def _flush(self) -> None:
+    def _take_locked(self) -> list[_Waiter]:
+        waiters, self._pending = self._pending, []
+        self._close_window_locked()
+        for waiter in waiters:
+            waiter.state = _State.PLANNING
+        return waiters
+
+    def _close_window_locked(self) -> None:
+        self._generation += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self, generation: int) -> None:
         with self._lock:
-            waiters, self._pending = self._pending, []
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+            waiters = self._take_locked() if generation == self._generation else []
+        self._run(waiters)
+
+    def _run(self, waiters: list[_Waiter]) -> None:
+        """Plan a batch and hand each caller its result; every waiter is settled, whatever
+        the planner does. Counted once handed out."""
         if not waiters:
             return
+        batches = 0
         try:
-            planned = list(self.planner.plan([w.request for w in waiters]))
-        except BaseException as exc:  # every caller of the batch learns why
-            for waiter in waiters:
-                self._settle(waiter, None, exc)
-            return
+            outcomes, batches = self._plan(waiters)
+        except BaseException as exc:  # not an Exception (e.g. KeyboardInterrupt): everyone learns it
+            outcomes = [(waiter, None, exc) for waiter in waiters]
+        settled: set[_Waiter] = set()
+        for waiter, result, error in outcomes:
+            if waiter not in settled:
+                settled.add(waiter)
+                self._settle(waiter, result, error)
+            else:  # the planner gave this request twice
+                self._discard(result)
+        for waiter in waiters:
+            if waiter not in settled:  # the planner gave no result for it
+                self._settle(waiter, None, RuntimeError("the planner returned no result for this request"))
         with self._lock:
-            self.batches += 1
-            self.requests += len(waiters)
-        for result in planned:  # schedule order: the first to send is released first
-            index = _prepared_of(result).batch_index
-            self._settle(waiters[index], result, None)  # type: ignore[index]
+            self.batches += batches
+            self.requests += sum(result is not None for _, result, _ in outcomes)
 
-    @staticmethod
-    def _settle(waiter: _Waiter, result: Any, error: BaseException | None) -> None:
-        if waiter.future is not None:
-            future = waiter.future
-            loop = future.get_loop()
-
-            def settle() -> None:
-                if future.done():
-                    return
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-
+    def _plan(self, waiters: list[_Waiter]) -> tuple[list[_Outcome], int]:
+        """(waiter, result, error) in schedule order, and the batches planned. A batch the
+        planner refuses is planned again one request at a time, so only the request at
+        fault fails."""
+        try:
+            return self._plan_together(waiters), 1
+        except Exception as exc:
+            if len(waiters) == 1:
+                return [(waiters[0], None, exc)], 0
+        outcomes: list[_Outcome] = []
+        batches = 0
+        for waiter in waiters:
             try:
-                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                settle()
-            else:  # planned on another thread (a sync caller's timer): hand it to its loop
-                loop.call_soon_threadsafe(settle)
-        else:
-            waiter.result, waiter.error = result, error
+                outcomes += self._plan_together([waiter])
+                batches += 1
+            except Exception as alone:
+                outcomes.append((waiter, None, alone))
+        return outcomes, batches
+
+    def _plan_together(self, waiters: list[_Waiter]) -> list[_Outcome]:
+        outcomes: list[_Outcome] = []
+        for result in self.planner.plan([waiter.request for waiter in waiters]):
+            index = _prepared_of(result).batch_index  # schedule order: the first to send first
+            if isinstance(index, int) and 0 <= index < len(waiters):
+                outcomes.append((waiters[index], result, None))
+            else:
+                self._discard(result)  # belongs to no caller
+        return outcomes
+
+    # ---- handing results out -------------------------------------------------------------------
+    def _settle(self, waiter: _Waiter, result: Any, error: BaseException | None) -> None:
+        with self._lock:
+            gone = waiter.state is _State.GONE
+            if not gone:
+                waiter.state, waiter.result, waiter.error = _State.READY, result, error
+        if gone:
+            self._discard(result)
+        elif waiter.loop is None:
             waiter.event.set()
+        else:
+            try:
+                waiter.loop.call_soon_threadsafe(self._deliver, waiter)
+            except RuntimeError:  # its event loop is closed: nobody will read this
+                self._leave(waiter)
+
+    def _deliver(self, waiter: _Waiter) -> None:
+        """On the caller's event loop: resolve its future, unless the caller left."""
+        future = waiter.future
+        assert future is not None
+        if future.done():  # cancelled meanwhile
+            self._leave(waiter)
+        elif waiter.state is _State.READY:
+            if waiter.error is not None:
+                future.set_exception(waiter.error)
+            else:
+                future.set_result(waiter.result)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """The caller will not use its request: drop it from the open batch, or discard
+        what was planned for it (now, or when its batch is planned)."""
+        with self._lock:
+            state, waiter.state = waiter.state, _State.GONE
+            if state is _State.QUEUED:
+                self._pending.remove(waiter)
+                if not self._pending:
+                    self._close_window_locked()
+            result, waiter.result = (waiter.result, None) if state is _State.READY else (None, None)
+        self._discard(result)
+
+    def _discard(self, result: Any) -> None:
+        """Forget a planned request nobody will send, in the pilot that planned it."""
+        if result is None:
+            return
+        prepared = _prepared_of(result)
+        owner: Any = self.planner
+        target = getattr(result, "target", None)
+        if target is not None and callable(getattr(owner, "pilot", None)):
+            owner = owner.pilot(target)  # a router: the pilot of the routed target
+        discard = getattr(owner, "discard", None)
+        if not callable(discard):
+            return
+        try:
+            discard(prepared)
+        except Exception:  # never let one caller's cleanup fail the others
+            _log.exception("could not discard request %s", prepared.request_id)
 
 
 class Preparer(Protocol):
