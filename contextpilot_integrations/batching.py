@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import threading
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +28,9 @@ from .prepared import PreparedRequest
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
 
 _log = logging.getLogger(__name__)
+
+_IDLE_SECONDS = 5.0
+"""A batcher's worker thread leaves after this long without requests."""
 
 
 class Planner(Protocol):
@@ -75,12 +80,11 @@ def _checked_request(
     return BatchRequest(blocks, query, conversation_id, kept)  # type: ignore[arg-type]
 
 
-def _on_running_loop() -> bool:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        asyncio.get_running_loop()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
-    return True
+        return None
 
 
 class MicroBatcher:
@@ -112,8 +116,10 @@ class MicroBatcher:
         self.requests = 0
         self._lock = threading.Lock()
         self._pending: list[_Waiter] = []
-        self._timer: threading.Timer | None = None
-        self._generation = 0  # which open batch a timer belongs to (a late timer plans nothing)
+        self._wake = threading.Condition(self._lock)
+        self._due = 0.0  # when the open batch is planned (time.monotonic)
+        self._worker_wakes = 0.0  # when the waiting worker wakes anyway (inf: only if told)
+        self._worker: threading.Thread | None = None  # times the window; leaves when idle
 
     # ---- async ------------------------------------------------------------------------------
     async def aprepare(
@@ -155,7 +161,7 @@ class MicroBatcher:
         Called on an event loop's thread, it plans the open batch at once rather than
         block that loop for the window (the loop's own callers are in that batch)."""
         waiter = _Waiter(_checked_request(blocks, query, conversation_id, kept_turns))
-        self._run(self._add(waiter, flush_now=_on_running_loop()))
+        self._run(self._add(waiter, flush_now=_running_loop() is not None))
         try:
             waiter.event.wait()
         except BaseException:  # interrupted: nobody will send this request
@@ -168,33 +174,44 @@ class MicroBatcher:
     # ---- the batch -----------------------------------------------------------------------------
     def _add(self, waiter: _Waiter, *, flush_now: bool) -> list[_Waiter]:
         """Queue a waiter; returns the batch to plan now (full, or ``flush_now``), else []."""
+        worker = None
         with self._lock:
             self._pending.append(waiter)
             if flush_now or len(self._pending) >= self.max_batch:
                 return self._take_locked()
-            if self._timer is None:
-                self._timer = threading.Timer(self.window, self._on_timer, args=(self._generation,))
-                self._timer.daemon = True
-                self._timer.start()
-            return []
+            if len(self._pending) == 1:  # a new batch: its window starts now
+                self._due = time.monotonic() + self.window
+                if self._worker is None:
+                    worker = self._worker = threading.Thread(target=self._work, name="MicroBatcher", daemon=True)
+                elif self._worker_wakes > self._due:  # else it wakes in time and looks again
+                    self._wake.notify()
+        if worker is not None:
+            worker.start()
+        return []
 
     def _take_locked(self) -> list[_Waiter]:
         waiters, self._pending = self._pending, []
-        self._close_window_locked()
         for waiter in waiters:
             waiter.state = _State.PLANNING
         return waiters
 
-    def _close_window_locked(self) -> None:
-        self._generation += 1
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _on_timer(self, generation: int) -> None:
-        with self._lock:
-            waiters = self._take_locked() if generation == self._generation else []
-        self._run(waiters)
+    def _work(self) -> None:
+        """The window's clock: plans each batch when its window ends (one thread for all
+        callers, so no caller's event loop has to stay alive for the others)."""
+        while True:
+            with self._lock:
+                while not self._pending or time.monotonic() < self._due:
+                    if not self._pending:
+                        self._worker_wakes = math.inf
+                        if not self._wake.wait(_IDLE_SECONDS) and not self._pending:
+                            self._worker = None  # idle: the next batch starts a new one
+                            return
+                    else:
+                        self._worker_wakes = self._due
+                        self._wake.wait(self._due - time.monotonic())
+                self._worker_wakes = 0.0  # awake
+                waiters = self._take_locked()
+            self._run(waiters)
 
     def _run(self, waiters: list[_Waiter]) -> None:
         """Plan a batch and hand each caller its result; every waiter is settled, whatever
@@ -207,15 +224,17 @@ class MicroBatcher:
         except BaseException as exc:  # not an Exception (e.g. KeyboardInterrupt): everyone learns it
             outcomes = [(waiter, None, exc) for waiter in waiters]
         settled: set[_Waiter] = set()
+        here = _running_loop()
         for waiter, result, error in outcomes:
             if waiter not in settled:
                 settled.add(waiter)
-                self._settle(waiter, result, error)
+                self._settle(waiter, result, error, here)
             else:  # the planner gave this request twice
                 self._discard(result)
         for waiter in waiters:
             if waiter not in settled:  # the planner gave no result for it
-                self._settle(waiter, None, RuntimeError("the planner returned no result for this request"))
+                error = RuntimeError("the planner returned no result for this request")
+                self._settle(waiter, None, error, here)
         with self._lock:
             self.batches += batches
             self.requests += sum(result is not None for _, result, _ in outcomes)
@@ -250,7 +269,10 @@ class MicroBatcher:
         return outcomes
 
     # ---- handing results out -------------------------------------------------------------------
-    def _settle(self, waiter: _Waiter, result: Any, error: BaseException | None) -> None:
+    def _settle(
+        self, waiter: _Waiter, result: Any, error: BaseException | None, here: asyncio.AbstractEventLoop | None
+    ) -> None:
+        """Hand a result to its caller (``here``: the event loop running this thread)."""
         with self._lock:
             gone = waiter.state is _State.GONE
             if not gone:
@@ -259,6 +281,8 @@ class MicroBatcher:
             self._discard(result)
         elif waiter.loop is None:
             waiter.event.set()
+        elif waiter.loop is here:  # planned on the caller's own loop (a full batch)
+            waiter.loop.call_soon(self._deliver, waiter)
         else:
             try:
                 waiter.loop.call_soon_threadsafe(self._deliver, waiter)
@@ -284,8 +308,6 @@ class MicroBatcher:
             state, waiter.state = waiter.state, _State.GONE
             if state is _State.QUEUED:
                 self._pending.remove(waiter)
-                if not self._pending:
-                    self._close_window_locked()
             result, waiter.result = (waiter.result, None) if state is _State.READY else (None, None)
         self._discard(result)
 
