@@ -96,7 +96,7 @@ class MicroBatcher:
     its batch, or, if its request was already planned, the request is discarded from the
     planner's index: nothing stays live that nobody will send.
 
-    ``batches`` and ``requests`` count what was planned, once each batch's callers are served.
+    ``batches`` and ``requests`` count the batches and requests planned.
 
     Args:
         planner: a :class:`~contextpilot_integrations.ContextPilot`, or a
@@ -215,7 +215,7 @@ class MicroBatcher:
 
     def _run(self, waiters: list[_Waiter]) -> None:
         """Plan a batch and hand each caller its result; every waiter is settled, whatever
-        the planner does. Counted once handed out."""
+        the planner does."""
         if not waiters:
             return
         batches = 0
@@ -223,6 +223,9 @@ class MicroBatcher:
             outcomes, batches = self._plan(waiters)
         except BaseException as exc:  # not an Exception (e.g. KeyboardInterrupt): everyone learns it
             outcomes = [(waiter, None, exc) for waiter in waiters]
+        with self._lock:  # counted before the callers are released: they may look at once
+            self.batches += batches
+            self.requests += sum(result is not None for _, result, _ in outcomes)
         settled: set[_Waiter] = set()
         here = _running_loop()
         for waiter, result, error in outcomes:
@@ -235,9 +238,6 @@ class MicroBatcher:
             if waiter not in settled:  # the planner gave no result for it
                 error = RuntimeError("the planner returned no result for this request")
                 self._settle(waiter, None, error, here)
-        with self._lock:
-            self.batches += batches
-            self.requests += sum(result is not None for _, result, _ in outcomes)
 
     def _plan(self, waiters: list[_Waiter]) -> tuple[list[_Outcome], int]:
         """(waiter, result, error) in schedule order, and the batches planned. A batch the

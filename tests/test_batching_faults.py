@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, BlockTypeError, ContextPilot, MicroBatcher
 from contextpilot_integrations.engines import Router, Target
@@ -169,18 +171,20 @@ def test_a_batch_the_planner_rejects_fails_only_the_offending_caller() -> None:
 # ---- 6a. a cancelled caller leaves nothing live -------------------------------------------------
 def test_a_caller_cancelled_before_planning_leaves_the_batch() -> None:
     pilot = ContextPilot()
-    batcher = MicroBatcher(pilot, window=0.05)
+    batcher = MicroBatcher(pilot, window=60.0, max_batch=3)  # only a full batch is planned in time
 
-    async def cancel_one() -> Any:
+    async def cancel_one() -> list[Any]:
         gone = asyncio.create_task(batcher.aprepare(docs("x"), "gone"))
         kept = asyncio.create_task(batcher.aprepare(docs("y"), "kept"))
         await asyncio.sleep(0)  # both queued in one batch
         gone.cancel()
-        return await asyncio.wait_for(kept, TIMEOUT)
+        await asyncio.sleep(0)  # it left the batch: two more fill it
+        later = [asyncio.create_task(batcher.aprepare(docs(f"z{i}"), f"later{i}")) for i in range(2)]
+        return await asyncio.wait_for(asyncio.gather(kept, *later), TIMEOUT)
 
-    kept = asyncio.run(cancel_one())
-    assert kept.query == "kept" and batcher.requests == 1
-    assert pilot.live_request_ids() == [kept.request_id]
+    planned = asyncio.run(cancel_one())
+    assert [p.query for p in planned] == ["kept", "later0", "later1"] and batcher.requests == 3
+    assert sorted(pilot.live_request_ids()) == sorted(p.request_id for p in planned)
 
 
 def test_a_caller_cancelled_while_its_batch_is_planned_is_discarded() -> None:
@@ -205,13 +209,21 @@ def test_a_caller_cancelled_after_its_result_was_set_is_discarded() -> None:
     """The result is set, but the task is cancelled before it resumes: nobody got it."""
     pilot = ContextPilot()
     batcher = MicroBatcher(pilot, window=0.001)
+    handed = threading.Event()
 
     async def cancel_late() -> None:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            handle = call_soon_threadsafe(*args, **kwargs)
+            handed.set()
+            return handle
+
+        loop.call_soon_threadsafe = spy  # type: ignore[method-assign, assignment]
         task = asyncio.create_task(batcher.aprepare(docs("x"), "late"))
         await asyncio.sleep(0)
-        # block the loop until the batch was served (counted after its results were
-        # queued to their loops): the result waits in this loop's queue
-        wait_until(lambda: batcher.requests == 1)
+        assert handed.wait(TIMEOUT)  # blocks the loop: the result waits in its queue
         await asyncio.sleep(0)  # the result is set now; the task resumes at the next step
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -366,3 +378,55 @@ def test_hundreds_of_mixed_callers_each_get_their_own_request() -> None:
     assert len(expected) == len(received)
     wait_until(lambda: live() == expected)  # a discard may still be on its way from the planning thread
     assert live() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    callers=st.lists(
+        st.tuples(st.sampled_from(["async", "thread"]), st.sampled_from(["ok", "bad", "cancel"]), st.integers(0, 4)),
+        min_size=1,
+        max_size=12,
+    ),
+    max_batch=st.integers(1, 5),
+    window=st.sampled_from([0.0, 0.001, 0.003]),
+)
+def test_property_every_caller_gets_its_own_outcome(
+    callers: list[tuple[str, str, int]], max_batch: int, window: float
+) -> None:
+    """Property: whatever the mix, sizes and cancel points, each valid caller gets its own
+    request, each bad one its own error, and only delivered requests stay live."""
+    pilot = ContextPilot()
+    batcher = MicroBatcher(pilot, window=window, max_batch=max_batch)
+
+    async def one(index: int, how: str, kind: str, yields: int) -> tuple[str, Any]:
+        query: Any = None if kind == "bad" else f"q{index}"
+        blocks = docs(f"shared{index % 3}", f"own{index}")
+        call = asyncio.to_thread(batcher.prepare, blocks, query) if how == "thread" else batcher.aprepare(blocks, query)
+        task = asyncio.ensure_future(call)
+        if kind == "cancel" and how == "async":
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            task.cancel()
+        try:
+            return "ok", await task
+        except asyncio.CancelledError:
+            return "cancelled", None
+        except Exception as exc:
+            return "error", exc
+
+    async def main() -> list[tuple[str, Any]]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i, *c) for i, c in enumerate(callers))), TIMEOUT)
+
+    outcomes = in_thread(lambda: asyncio.run(main()))
+    delivered = set()
+    for index, ((how, kind, _), (outcome, value)) in enumerate(zip(callers, outcomes, strict=True)):
+        if kind == "bad":
+            assert outcome == "error" and isinstance(value, BlockTypeError)
+        elif kind == "ok" or how == "thread":  # a thread's call is not cancelled
+            assert outcome == "ok", (outcome, value)
+        else:
+            assert outcome in ("ok", "cancelled")
+        if outcome == "ok":
+            assert value.query == f"q{index}" and f"own{index}" in {b.id for b in value.blocks}
+            delivered.add(value.request_id)
+    wait_until(lambda: set(pilot.live_request_ids()) == delivered)
