@@ -211,7 +211,10 @@ class MicroBatcher:
                         self._wake.wait(self._due - time.monotonic())
                 self._worker_wakes = 0.0  # awake
                 waiters = self._take_locked()
-            self._run(waiters)
+            try:
+                self._run(waiters)
+            except Exception:  # keep the clock running for the next batches
+                _log.exception("could not hand out a planned batch")
 
     def _run(self, waiters: list[_Waiter]) -> None:
         """Plan a batch and hand each caller its result; every waiter is settled, whatever
