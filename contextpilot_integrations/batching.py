@@ -186,7 +186,10 @@ class MicroBatcher:
                 elif self._worker_wakes > self._due:  # else it wakes in time and looks again
                     self._wake.notify()
         if worker is not None:
-            worker.start()
+            worker.start()  # slow on a busy machine: the window counts from when its clock runs
+            with self._lock:
+                if self._pending and self._pending[0] is waiter:
+                    self._due = max(self._due, time.monotonic() + self.window)
         return []
 
     def _take_locked(self) -> list[_Waiter]:
