@@ -12,16 +12,25 @@ first and plans each target's share), and releases the callers in schedule order
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
+import math
 import threading
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .blocks import BlockLike
-from .pilot import BatchRequest
+from .blocks import Block, BlockLike, normalize_blocks
+from .pilot import BatchRequest, _check_conversation_id, _check_kept_turns, _check_query
 from .prepared import PreparedRequest
 
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
+
+_log = logging.getLogger(__name__)
+
+_IDLE_SECONDS = 5.0
+"""A batcher's worker thread leaves after this long without requests."""
 
 
 class Planner(Protocol):
@@ -35,17 +44,59 @@ def _prepared_of(result: Any) -> PreparedRequest:
     return result if isinstance(result, PreparedRequest) else result.prepared
 
 
-@dataclass
+class _State(enum.Enum):
+    QUEUED = "queued"  # in the open batch
+    PLANNING = "planning"  # taken by a flush, not settled yet
+    READY = "ready"  # result or error handed to the caller's thread or loop
+    GONE = "gone"  # the caller left (cancelled, interrupted, its loop closed)
+
+
+@dataclass(eq=False)
 class _Waiter:
     request: BatchRequest
+    loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future[Any] | None = None
     event: threading.Event = field(default_factory=threading.Event)
+    state: _State = _State.QUEUED
     result: Any = None
     error: BaseException | None = None
 
 
+_Outcome = tuple[_Waiter, Any, BaseException | None]
+"""A waiter, and its planned request or the error its caller gets."""
+
+
+def _checked_request(
+    blocks: Iterable[BlockLike], query: object, conversation_id: object, kept_turns: object
+) -> BatchRequest:
+    """Validate one request in its caller's own call, so bad input fails that caller alone
+    (a planner refuses a whole batch for one bad request)."""
+    if not isinstance(blocks, (str, bytes, Mapping, Block)) and isinstance(blocks, Iterable):
+        blocks = list(blocks)  # an iterator is read once: here, not again when planned
+    normalize_blocks(blocks)
+    _check_query(query)
+    _check_conversation_id(conversation_id)
+    kept = _check_kept_turns(kept_turns)
+    return BatchRequest(blocks, query, conversation_id, kept)  # type: ignore[arg-type]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class MicroBatcher:
     """Gathers requests for ``window`` seconds (at most ``max_batch``), plans them together.
+
+    The window is timed by a thread, not by any caller's event loop, so threads and any
+    number of event loops can share one batcher, and a loop that stops or closes strands
+    nobody. A caller that leaves (cancelled, timed out, its loop closed) is taken out of
+    its batch, or, if its request was already planned, the request is discarded from the
+    planner's index: nothing stays live that nobody will send.
+
+    ``batches`` and ``requests`` count the batches and requests planned.
 
     Args:
         planner: a :class:`~contextpilot_integrations.ContextPilot`, or a
@@ -65,7 +116,10 @@ class MicroBatcher:
         self.requests = 0
         self._lock = threading.Lock()
         self._pending: list[_Waiter] = []
-        self._timer: threading.Timer | asyncio.TimerHandle | None = None
+        self._wake = threading.Condition(self._lock)
+        self._due = 0.0  # when the open batch is planned (time.monotonic)
+        self._worker_wakes = 0.0  # when the waiting worker wakes anyway (inf: only if told)
+        self._worker: threading.Thread | None = None  # times the window; leaves when idle
 
     # ---- async ------------------------------------------------------------------------------
     async def aprepare(
@@ -77,13 +131,21 @@ class MicroBatcher:
         kept_turns: Collection[int] | None = None,
     ) -> Any:
         """Wait for the rest of the burst, then this request's place in the planned batch
-        (what the planner's ``plan`` gives: a prepared request, or a routed one)."""
+        (what the planner's ``plan`` gives: a prepared request, or a routed one).
+
+        Raises:
+            InvalidBlockError, BlockTypeError, TypeError: this request is invalid (the
+                other requests of its batch are planned without it).
+        """
+        request = _checked_request(blocks, query, conversation_id, kept_turns)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(BatchRequest(blocks, query, conversation_id, kept_turns), loop.create_future())
-        flush_now = self._add(waiter, lambda: loop.call_later(self.window, self._flush))
-        if flush_now:
-            self._flush()
-        return await waiter.future  # type: ignore[misc]
+        waiter = _Waiter(request, loop, loop.create_future())
+        self._run(self._add(waiter, flush_now=False))
+        try:
+            return await waiter.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            self._leave(waiter)
+            raise
 
     # ---- threads -----------------------------------------------------------------------------
     def prepare(
@@ -94,79 +156,183 @@ class MicroBatcher:
         *,
         kept_turns: Collection[int] | None = None,
     ) -> Any:
-        """Blocking variant of :meth:`aprepare`, for threads (LangChain's ``batch``)."""
-        waiter = _Waiter(BatchRequest(blocks, query, conversation_id, kept_turns))
+        """Blocking variant of :meth:`aprepare`, for threads (LangChain's ``batch``).
 
-        def start() -> threading.Timer:
-            timer = threading.Timer(self.window, self._flush)
-            timer.daemon = True
-            timer.start()
-            return timer
-
-        if self._add(waiter, start):
-            self._flush()
-        waiter.event.wait()
+        Called on an event loop's thread, it plans the open batch at once rather than
+        block that loop for the window (the loop's own callers are in that batch)."""
+        waiter = _Waiter(_checked_request(blocks, query, conversation_id, kept_turns))
+        self._run(self._add(waiter, flush_now=_running_loop() is not None))
+        try:
+            waiter.event.wait()
+        except BaseException:  # interrupted: nobody will send this request
+            self._leave(waiter)
+            raise
         if waiter.error is not None:
             raise waiter.error
         return waiter.result
 
-    # ---- shared -------------------------------------------------------------------------------
-    def _add(self, waiter: _Waiter, start_timer: Any) -> bool:
-        """Queue a waiter; returns whether the batch is full (plan it now)."""
+    # ---- the batch -----------------------------------------------------------------------------
+    def _add(self, waiter: _Waiter, *, flush_now: bool) -> list[_Waiter]:
+        """Queue a waiter; returns the batch to plan now (full, or ``flush_now``), else []."""
+        worker = None
         with self._lock:
             self._pending.append(waiter)
-            if len(self._pending) >= self.max_batch:
-                return True
-            if self._timer is None:
-                self._timer = start_timer()
-            return False
+            if flush_now or len(self._pending) >= self.max_batch:
+                return self._take_locked()
+            if len(self._pending) == 1:  # a new batch: its window starts now
+                self._due = time.monotonic() + self.window
+                if self._worker is None:
+                    worker = self._worker = threading.Thread(target=self._work, name="MicroBatcher", daemon=True)
+                elif self._worker_wakes > self._due:  # else it wakes in time and looks again
+                    self._wake.notify()
+        if worker is not None:
+            worker.start()  # slow on a busy machine: the window counts from when its clock runs
+            with self._lock:
+                if self._pending and self._pending[0] is waiter:
+                    self._due = max(self._due, time.monotonic() + self.window)
+        return []
 
-    def _flush(self) -> None:
-        with self._lock:
-            waiters, self._pending = self._pending, []
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+    def _take_locked(self) -> list[_Waiter]:
+        waiters, self._pending = self._pending, []
+        for waiter in waiters:
+            waiter.state = _State.PLANNING
+        return waiters
+
+    def _work(self) -> None:
+        """The window's clock: plans each batch when its window ends (one thread for all
+        callers, so no caller's event loop has to stay alive for the others)."""
+        while True:
+            with self._lock:
+                while not self._pending or time.monotonic() < self._due:
+                    if not self._pending:
+                        self._worker_wakes = math.inf
+                        if not self._wake.wait(_IDLE_SECONDS) and not self._pending:
+                            self._worker = None  # idle: the next batch starts a new one
+                            return
+                    else:
+                        self._worker_wakes = self._due
+                        self._wake.wait(self._due - time.monotonic())
+                self._worker_wakes = 0.0  # awake
+                waiters = self._take_locked()
+            try:
+                self._run(waiters)
+            except Exception:  # keep the clock running for the next batches
+                _log.exception("could not hand out a planned batch")
+
+    def _run(self, waiters: list[_Waiter]) -> None:
+        """Plan a batch and hand each caller its result; every waiter is settled, whatever
+        the planner does."""
         if not waiters:
             return
+        batches = 0
         try:
-            planned = list(self.planner.plan([w.request for w in waiters]))
-        except BaseException as exc:  # every caller of the batch learns why
-            for waiter in waiters:
-                self._settle(waiter, None, exc)
-            return
-        with self._lock:
-            self.batches += 1
-            self.requests += len(waiters)
-        for result in planned:  # schedule order: the first to send is released first
-            index = _prepared_of(result).batch_index
-            self._settle(waiters[index], result, None)  # type: ignore[index]
+            outcomes, batches = self._plan(waiters)
+        except BaseException as exc:  # not an Exception (e.g. KeyboardInterrupt): everyone learns it
+            outcomes = [(waiter, None, exc) for waiter in waiters]
+        with self._lock:  # counted before the callers are released: they may look at once
+            self.batches += batches
+            self.requests += sum(result is not None for _, result, _ in outcomes)
+        settled: set[_Waiter] = set()
+        here = _running_loop()
+        for waiter, result, error in outcomes:
+            if waiter not in settled:
+                settled.add(waiter)
+                self._settle(waiter, result, error, here)
+            else:  # the planner gave this request twice
+                self._discard(result)
+        for waiter in waiters:
+            if waiter not in settled:  # the planner gave no result for it
+                error = RuntimeError("the planner returned no result for this request")
+                self._settle(waiter, None, error, here)
 
-    @staticmethod
-    def _settle(waiter: _Waiter, result: Any, error: BaseException | None) -> None:
-        if waiter.future is not None:
-            future = waiter.future
-            loop = future.get_loop()
-
-            def settle() -> None:
-                if future.done():
-                    return
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-
+    def _plan(self, waiters: list[_Waiter]) -> tuple[list[_Outcome], int]:
+        """(waiter, result, error) in schedule order, and the batches planned. A batch the
+        planner refuses is planned again one request at a time, so only the request at
+        fault fails."""
+        try:
+            return self._plan_together(waiters), 1
+        except Exception as exc:
+            if len(waiters) == 1:
+                return [(waiters[0], None, exc)], 0
+        outcomes: list[_Outcome] = []
+        batches = 0
+        for waiter in waiters:
             try:
-                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                settle()
-            else:  # planned on another thread (a sync caller's timer): hand it to its loop
-                loop.call_soon_threadsafe(settle)
-        else:
-            waiter.result, waiter.error = result, error
+                outcomes += self._plan_together([waiter])
+                batches += 1
+            except Exception as alone:
+                outcomes.append((waiter, None, alone))
+        return outcomes, batches
+
+    def _plan_together(self, waiters: list[_Waiter]) -> list[_Outcome]:
+        outcomes: list[_Outcome] = []
+        for result in self.planner.plan([waiter.request for waiter in waiters]):
+            index = _prepared_of(result).batch_index  # schedule order: the first to send first
+            if isinstance(index, int) and 0 <= index < len(waiters):
+                outcomes.append((waiters[index], result, None))
+            else:
+                self._discard(result)  # belongs to no caller
+        return outcomes
+
+    # ---- handing results out -------------------------------------------------------------------
+    def _settle(
+        self, waiter: _Waiter, result: Any, error: BaseException | None, here: asyncio.AbstractEventLoop | None
+    ) -> None:
+        """Hand a result to its caller (``here``: the event loop running this thread)."""
+        with self._lock:
+            gone = waiter.state is _State.GONE
+            if not gone:
+                waiter.state, waiter.result, waiter.error = _State.READY, result, error
+        if gone:
+            self._discard(result)
+        elif waiter.loop is None:
             waiter.event.set()
+        elif waiter.loop is here:  # planned on the caller's own loop (a full batch)
+            waiter.loop.call_soon(self._deliver, waiter)
+        else:
+            try:
+                waiter.loop.call_soon_threadsafe(self._deliver, waiter)
+            except RuntimeError:  # its event loop is closed: nobody will read this
+                self._leave(waiter)
+
+    def _deliver(self, waiter: _Waiter) -> None:
+        """On the caller's event loop: resolve its future, unless the caller left."""
+        future = waiter.future
+        assert future is not None
+        if future.done():  # cancelled meanwhile
+            self._leave(waiter)
+        elif waiter.state is _State.READY:
+            if waiter.error is not None:
+                future.set_exception(waiter.error)
+            else:
+                future.set_result(waiter.result)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """The caller will not use its request: drop it from the open batch, or discard
+        what was planned for it (now, or when its batch is planned)."""
+        with self._lock:
+            state, waiter.state = waiter.state, _State.GONE
+            if state is _State.QUEUED:
+                self._pending.remove(waiter)
+            result, waiter.result = (waiter.result, None) if state is _State.READY else (None, None)
+        self._discard(result)
+
+    def _discard(self, result: Any) -> None:
+        """Forget a planned request nobody will send, in the pilot that planned it."""
+        if result is None:
+            return
+        prepared = _prepared_of(result)
+        owner: Any = self.planner
+        target = getattr(result, "target", None)
+        if target is not None and callable(getattr(owner, "pilot", None)):
+            owner = owner.pilot(target)  # a router: the pilot of the routed target
+        discard = getattr(owner, "discard", None)
+        if not callable(discard):
+            return
+        try:
+            discard(prepared)
+        except Exception:  # never let one caller's cleanup fail the others
+            _log.exception("could not discard request %s", prepared.request_id)
 
 
 class Preparer(Protocol):

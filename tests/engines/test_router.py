@@ -84,7 +84,7 @@ def test_router_batches_keep_similar_requests_together_and_balance() -> None:
 
 def test_micro_batcher_plans_a_burst_together() -> None:
     pilot = ContextPilot()
-    batcher = MicroBatcher(pilot, window=0.05)
+    batcher = MicroBatcher(pilot, window=0.5, max_batch=6)  # the burst fills one batch, however slow the machine
     shared = docs("s1", "s2", "s3")
 
     async def burst() -> list[object]:
@@ -107,7 +107,7 @@ def test_micro_batcher_plans_a_burst_together() -> None:
         MicroBatcher(pilot, window=-1)
 
 
-def test_a_failed_batch_reaches_every_caller() -> None:
+def test_a_bad_request_fails_only_its_caller() -> None:
     batcher = MicroBatcher(ContextPilot(), window=0.02)
 
     async def burst() -> list[object]:
@@ -115,8 +115,8 @@ def test_a_failed_batch_reaches_every_caller() -> None:
         bad = batcher.aprepare(docs("b"), "q", kept_turns=5)  # type: ignore[arg-type]
         return await asyncio.gather(good, bad, return_exceptions=True)
 
-    outcomes = asyncio.run(burst())
-    assert all(isinstance(o, TypeError) for o in outcomes)  # a batch is all or nothing
+    good, bad = asyncio.run(burst())
+    assert isinstance(bad, TypeError) and good.query == "q"  # type: ignore[attr-defined]  # (issue 20, item 5)
 
 
 def test_the_simulator_routes_across_caches() -> None:
