@@ -42,6 +42,12 @@ class SinkStats(BaseModel):
     index_resets: int = 0
     publishers: int = 0
     requests_shortened: int = 0
+    requests_unconfirmed: int = 0
+    """Served requests held to fewer blocks than predicted: their pages were not (yet) confirmed."""
+    anchored_pages: int = 0
+    """Pages the engine reported cached that no event had shown (stored before we listened)."""
+    anchors_resolved: int = 0
+    """Anchored pages whose real hash a later stored block revealed."""
     requests_evicted: int = 0
     requests_untracked: int = 0
     """Requests dropped from the index because the block map's bounds forgot them."""
@@ -78,12 +84,31 @@ class KvEventSink:
         self._stats = SinkStats()
         self._latencies: deque[float] = deque(maxlen=10_000)
 
-    def track(self, request_id: str, token_ids: Iterable[int], block_ends: Iterable[int] | None = None) -> None:
-        """Record a sent request's prompt token ids (and where each of its blocks ends)."""
+    def track(
+        self,
+        request_id: str,
+        token_ids: Iterable[int],
+        block_ends: Iterable[int] | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        """Record a served request's prompt token ids (and where each of its blocks ends).
+
+        The pilot's prediction for it is then held to what the engine's events confirm:
+        its pages walked through the stored chain, plus the pages the engine itself
+        reported as served from its cache (``cached_tokens``). A request whose leading
+        pages were stored before we listened (a late start, a reset) is otherwise
+        confirmed only up to the pages we know; its blocks come back when their store
+        events arrive.
+        """
         tokens = list(token_ids)
         ends = list(block_ends) if block_ends is not None else None
         with self._lock:
-            self.block_map.track(request_id, tokens, ends)
+            grown = self.block_map.track(request_id, tokens, ends, cached_tokens)
+            for other, cached in grown.items():
+                self.pilot.restore(other, self.block_map.blocks_within(other, cached))
+            keep = self.block_map.blocks_within(request_id, self.block_map.cached_tokens(request_id))
+            if keep is not None and self.pilot.truncate(request_id, keep):
+                self._stats.requests_unconfirmed += 1
             self._evict_untracked()
 
     def forget(self, request_id: str) -> None:
@@ -159,6 +184,8 @@ class KvEventSink:
             update: dict[str, Any] = {
                 "tracked_requests": len(self.block_map),
                 "engine_blocks": self.block_map.stored_blocks,
+                "anchored_pages": self.block_map.anchored_pages,
+                "anchors_resolved": self.block_map.anchors_resolved,
             }
             if latencies:
                 update["latency_p50_ms"] = latencies[len(latencies) // 2] * 1e3

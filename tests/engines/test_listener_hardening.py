@@ -227,7 +227,7 @@ def test_untracked_requests_leave_the_index() -> None:
     sink = KvEventSink(pilot, EngineBlockMap(page_size=1, max_requests=2))
     rids = [pilot.prepare([f"doc {i}"], "q").request_id for i in range(3)]
     for rid in rids:
-        sink.track(rid, [1, 2, 3])
+        sink.track(rid, [1, 2, 3], cached_tokens=3)  # confirmed by the engine: kept until forgotten
     assert pilot.live_request_ids() == rids[1:] and sink.stats().requests_untracked == 1
 
 
