@@ -9,8 +9,10 @@ Sequence numbers, per publisher (one engine process and data-parallel rank):
   never predict a hit it cannot confirm;
 - a publisher id not seen before is a new engine process (a restart gets a new id). Its
   first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
-  which resets the index; a new publisher whose first batch is not number 0 has lost
-  events, which resets it too.
+  which resets the index; a new publisher whose first batch is not number 0, after
+  another publisher, has lost events, which resets it too. The first publisher ever
+  heard may start past 0 (we started after the engine): no reset, since nothing held came
+  from events yet; :meth:`KvEventSink.track` confirms each request against them.
 
 ``AllBlocksCleared`` (engine restart, ``/flush_cache``) always resets the index.
 """
@@ -125,8 +127,11 @@ class KvEventSink:
             if last is not None and batch.seq <= last:
                 stats.duplicate_batches += 1
                 return False
+            # a first publisher heard past number 0 means we started late, not that we lost
+            # what we knew: nothing held came from events, and tracking confirms each request
+            # only up to the pages the events (or the engine's cached-token report) show
             if (last is not None and batch.seq != last + 1) or (
-                last is None and batch.seq > 0 and self.pilot.stats().live_requests
+                last is None and batch.seq > 0 and self._last_seq and self.pilot.stats().live_requests
             ):
                 stats.sequence_gaps += 1
                 self._reset()  # events were lost: predict nothing we cannot confirm

@@ -109,3 +109,16 @@ def test_block_ends_match_a_prompt_built_from_the_blocks(blocks: list[list[int]]
     for end, true_end in zip(ends, truth, strict=True):
         assert end <= true_end or end == true_end
     assert ends == sorted(ends)
+
+
+def test_subscribing_to_a_running_engine_keeps_the_requests_in_flight() -> None:
+    """The first batch a late subscriber hears is not number 0: that is a late start, not
+    lost knowledge, so the request sent meanwhile stays predicted once the events confirm it."""
+    pilot = ContextPilot()
+    sink = KvEventSink(pilot, EngineBlockMap(4))
+    doc = Block(id="x", text="t" * 20)
+    first = pilot.prepare([doc], "q1")
+    sink.apply(batch(7, stored([20, 21], None, [1, 2, 3, 4, 5, 6, 7, 8])))
+    sink.track(first.request_id, [1, 2, 3, 4, 5, 6, 7, 8, 9], block_ends=[8])
+    assert pilot.predicted_cached_blocks(["x"]) == 1
+    assert sink.stats().index_resets == 0

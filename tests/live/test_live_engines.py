@@ -52,6 +52,7 @@ def test_the_request_id_reaches_the_engine_and_cached_tokens_come_back(path: Eve
     with client:
         first = pilot.prepare(docs, "Which document mentions a river?")
         served = client.chat(first, system_prompt=SYSTEM_PROMPT, max_tokens=2)
+        settle_sink(sink)  # its store events may trail the answer: until then it is not confirmed
         second = pilot.prepare(docs, "Which document mentions a stone?")
         again = client.chat(second, system_prompt=SYSTEM_PROMPT, max_tokens=2, stream=False)
     # the engine names its answer after our id (vLLM: chatcmpl-<request_id>; SGLang: the rid)
@@ -80,14 +81,21 @@ def test_a_restarted_application_converges_to_the_running_engine(path: EventPath
     head, documents) it announced before we listened."""
     outcomes = run_scenario(path, "app-restarted")
     late = agreement(outcomes[3:])
-    print(f"\n{path.name} application restarted: {agreement(outcomes)}; after the first 3: {late}")
+    print(f"\n{path.name} application restarted: first 3: {agreement(outcomes[:3])}; the next 30: {late}")
     assert path.sink is not None and path.sink.stats().anchored_pages > 0
-    assert sum(o.agrees for o in outcomes) >= 29
-    assert late.over == 0
+    assert late.requests == 30 and late.agree >= 29 and late.over == 0
 
 
-def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath) -> None:
+def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath, request: pytest.FixtureRequest) -> None:
     """Last in the module: it replaces the engine."""
+    if path.name.endswith("zmq"):
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=False,
+                reason="issue 20 (branch fix-subscriber): the ZMQ subscriber takes a restarted engine's "
+                "sequence numbers (from 0 again, same endpoint) for duplicates and drops its events",
+            )
+        )
     path.flush()
     client, sink = path.connect()
     pilot = client.pilot
