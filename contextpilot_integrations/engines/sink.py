@@ -113,6 +113,13 @@ class KvEventSink:
                 self._stats.requests_unconfirmed += 1
             self._evict_untracked()
 
+    def confirmed_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens of a tracked request the events confirm cached (``None``: not tracked)."""
+        with self._lock:
+            if request_id not in self.block_map:
+                return None
+            return self.block_map.cached_tokens(request_id)
+
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (it failed, or the pilot forgot it)."""
         with self._lock:

@@ -291,14 +291,15 @@ class Outcome:
 
 
 def serve(
-    client: OpenAICompatClient, blocks: Sequence[Block], query: str, page_size: int, settle: Callable[[], None]
+    client: OpenAICompatClient, blocks: Sequence[Block], query: str, page_size: int, sink: KvEventSink
 ) -> Outcome:
-    """Prepare, send and score one request (``settle`` waits for the events it caused)."""
+    """Prepare, send and score one request, then wait until the events it caused arrived."""
     pilot = client.pilot
     assert pilot is not None
     prepared = pilot.prepare(blocks, query)
     result = client.chat(prepared, system_prompt=SYSTEM_PROMPT, max_tokens=2, temperature=0)
-    settle()
+    whole_pages = (result.prompt_tokens or 0) // page_size * page_size
+    settle_sink(sink, prepared.request_id, whole_pages)
     ends = result.block_ends
     if ends is None and result.prompt_token_ids:  # a client told not to compute them: score anyway
         scorer = BlockTokenizer(client.base_url, client.engine, model=client.model)
@@ -334,9 +335,18 @@ def warm_head(base_url: str) -> None:
     httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
 
 
-def settle_sink(sink: KvEventSink, quiet: float = 0.08, limit: float = 3.0) -> None:
-    """Wait until no event batch arrived for ``quiet`` seconds (at most ``limit``)."""
+def settle_sink(
+    sink: KvEventSink, request_id: str | None = None, tokens: int = 0, quiet: float = 0.08, limit: float = 5.0
+) -> None:
+    """Wait (at most ``limit`` seconds) until the events confirm ``tokens`` of the request
+    (the engine stores every whole page of a prompt it served), then until no event batch
+    arrived for ``quiet`` seconds: events trail the answer, more so on a busy machine."""
     deadline = time.monotonic() + limit
+    while request_id is not None and time.monotonic() < deadline:
+        confirmed = sink.confirmed_tokens(request_id)
+        if confirmed is None or confirmed >= tokens:
+            break
+        time.sleep(0.01)
     seen = sink.stats().batches
     last_change = time.monotonic()
     while time.monotonic() < deadline:
@@ -517,18 +527,16 @@ def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: in
     if not fixed:
         client.block_tokenizer.engine = "off"  # no block ends: the client before issue 24
     requests = workload(seed, 43 if scenario == "app-restarted" else 30)
-    settle = lambda: settle_sink(sink)  # noqa: E731
     if scenario == "app-restarted":
         for n, blocks in enumerate(requests[:10]):
-            serve(client, blocks, f"question {n}", path.page_size, settle)
+            serve(client, blocks, f"question {n}", path.page_size, sink)
         client.close()
         client, sink = path.connect(sink_class)
         path.sink = sink
         if not fixed:
             client.block_tokenizer.engine = "off"
-        settle = lambda: settle_sink(sink)  # noqa: E731
         requests = requests[10:]
     try:
-        return [serve(client, blocks, f"question {n}", path.page_size, settle) for n, blocks in enumerate(requests)]
+        return [serve(client, blocks, f"question {n}", path.page_size, sink) for n, blocks in enumerate(requests)]
     finally:
         client.close()

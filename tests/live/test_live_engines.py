@@ -52,7 +52,8 @@ def test_the_request_id_reaches_the_engine_and_cached_tokens_come_back(path: Eve
     with client:
         first = pilot.prepare(docs, "Which document mentions a river?")
         served = client.chat(first, system_prompt=SYSTEM_PROMPT, max_tokens=2)
-        settle_sink(sink)  # its store events may trail the answer: until then it is not confirmed
+        # its store events may trail the answer: until they arrive it is not confirmed
+        settle_sink(sink, first.request_id, (served.prompt_tokens or 0) // path.page_size * path.page_size)
         second = pilot.prepare(docs, "Which document mentions a stone?")
         again = client.chat(second, system_prompt=SYSTEM_PROMPT, max_tokens=2, stream=False)
     # the engine names its answer after our id (vLLM: chatcmpl-<request_id>; SGLang: the rid)
@@ -102,19 +103,16 @@ def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath, requ
     assert pilot is not None
     warm_head(path.engine.url)
     requests = workload(seed=1, requests=16)
-    settle = lambda: settle_sink(sink)  # noqa: E731
     with client:
         for n, blocks in enumerate(requests[:8]):
-            serve(client, blocks, f"question {n}", path.page_size, settle)
+            serve(client, blocks, f"question {n}", path.page_size, sink)
     assert pilot.stats().live_requests > 0
     path.restart_engine()  # a new publisher; its sequence numbers start at 0 again
     warm_head(path.engine.url)
-    settle()
+    settle_sink(sink)
     client = OpenAICompatClient(path.engine.url, pilot, model=MODEL_NAME, engine=path.engine_kind, listener=sink)
     with client:
-        outcomes = [
-            serve(client, blocks, f"again {n}", path.page_size, settle) for n, blocks in enumerate(requests[8:])
-        ]
+        outcomes = [serve(client, blocks, f"again {n}", path.page_size, sink) for n, blocks in enumerate(requests[8:])]
     result = agreement(outcomes)
     print(f"\n{path.name} engine restarted: {result}")
     assert result.over == 0 and result.rate >= 7 / 8
