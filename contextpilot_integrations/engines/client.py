@@ -18,25 +18,30 @@ import asyncio
 import json
 import math
 import re
+import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 
+from ..annotations import render_block
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 from . import wire
 from .feedback import estimate_prompt_tokens, report_failed, report_served
+from .kv_mapping import block_token_ends
 
 if TYPE_CHECKING:
     from .listener import EvictionListener
     from .sink import KvEventSink
 
 __all__ = [
+    "BlockTokenizer",
     "ChatResult",
     "EngineError",
     "EngineHTTPError",
@@ -62,6 +67,14 @@ class ChatResult:
     """Seconds from sending to the first content chunk (the whole call without streaming)."""
     total_s: float
     usage: dict[str, Any] = field(default_factory=dict)
+    prompt_token_ids: tuple[int, ...] | None = None
+    """The prompt's token ids as the engine saw them (when it was asked for them: with a
+    listener or ``return_prompt_ids``)."""
+    answer_id: str | None = None
+    """The engine's id for the answer (vLLM: ``chatcmpl-<request id>``; SGLang: the ``rid``)."""
+    block_ends: tuple[int, ...] | None = None
+    """Token position where each sent block ends in ``prompt_token_ids`` (see
+    :func:`~.kv_mapping.block_token_ends`); ``None`` when they could not be located."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,7 @@ class _Parsed:
     usage: dict[str, Any]
     first_s: float | None  # perf_counter of the first content chunk
     input_ids: list[int] | None
+    answer_id: str | None = None
 
 
 def redact_url(url: str) -> str:
@@ -96,6 +110,7 @@ class _Reader:
         self.usage: dict[str, Any] = {}
         self.first: float | None = None
         self.input_ids: list[int] | None = None
+        self.answer_id: str | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> bool:
@@ -143,6 +158,8 @@ class _Reader:
             self.text.append(piece)
         if event.get("usage") is not None:
             self.usage = wire.usage(event["usage"], self.where)
+        if self.answer_id is None and isinstance(event.get("id"), str):
+            self.answer_id = event["id"]
         self.input_ids = wire.input_ids(event, self.where) or self.input_ids
         return False
 
@@ -150,7 +167,7 @@ class _Reader:
         if self.stream:
             if not self.done:
                 raise EngineError(f"{self.where} ended the stream before [DONE]: the answer may be cut short")
-            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids)
+            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids, self.answer_id)
         try:
             payload = json.loads(self.buffer)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -169,7 +186,122 @@ class _Reader:
         text = (message_obj or {}).get("content") or ""
         if not isinstance(text, str):
             raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
-        return _Parsed(text, wire.usage(payload.get("usage"), self.where), None, wire.input_ids(payload, self.where))
+        answer_id = payload.get("id") if isinstance(payload.get("id"), str) else None
+        return _Parsed(
+            text, wire.usage(payload.get("usage"), self.where), None, wire.input_ids(payload, self.where), answer_id
+        )
+
+
+class BlockTokenizer:
+    """Token ids of rendered blocks, from the engine's own ``/tokenize`` endpoint, cached.
+
+    A block's rendered text depends on the block alone (byte-identical prefixes), so each
+    distinct block is tokenized once; :meth:`block_ends` then locates the blocks of a
+    prompt in the token ids the engine returned for it (:func:`.kv_mapping.block_token_ends`).
+    SGLang tokenizes a list of texts in one call; vLLM one text per call. Anything that
+    goes wrong yields ``None`` (no block ends: the conservative mapping), never an error.
+
+    Args:
+        base_url: the engine (``/v1`` is stripped).
+        engine: ``"sglang"`` or ``"vllm"`` (others have no usable endpoint: ``None``).
+        max_entries: distinct block texts remembered (least recently used forgotten first).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        engine: str,
+        *,
+        model: str = "default",
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+        max_entries: int = 8_192,
+    ) -> None:
+        root = base_url.rstrip("/")
+        self.url = (root[: -len("/v1")] if root.endswith("/v1") else root) + "/tokenize"
+        self.engine = engine
+        self.model = model
+        self.headers = dict(headers or {})
+        self.timeout = timeout
+        self.max_entries = max_entries
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def tokens(self, text: str) -> tuple[int, ...] | None:
+        """The cached token ids of a rendered block (``None`` if not tokenized yet)."""
+        with self._lock:
+            return self._cache.get(text)
+
+    def block_ends(self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.Client) -> list[int] | None:
+        texts = _block_texts(prepared)
+        if not texts or self.engine not in ("sglang", "vllm"):
+            return None
+        try:
+            missing = self._missing(texts)
+            for batch in self._batches(missing):
+                response = http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
+                self._store(batch, response)
+        except (httpx.HTTPError, ValueError):
+            return None
+        return self._ends(texts, prompt_ids)
+
+    async def ablock_ends(
+        self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.AsyncClient
+    ) -> list[int] | None:
+        texts = _block_texts(prepared)
+        if not texts or self.engine not in ("sglang", "vllm"):
+            return None
+        try:
+            missing = self._missing(texts)
+            for batch in self._batches(missing):
+                response = await http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
+                self._store(batch, response)
+        except (httpx.HTTPError, ValueError):
+            return None
+        return self._ends(texts, prompt_ids)
+
+    def _missing(self, texts: list[str]) -> list[str]:
+        with self._lock:
+            return list(dict.fromkeys(text for text in texts if text not in self._cache))
+
+    def _batches(self, texts: list[str]) -> list[list[str]]:
+        if not texts:
+            return []
+        return [texts] if self.engine == "sglang" else [[text] for text in texts]
+
+    def _body(self, texts: list[str]) -> dict[str, Any]:
+        prompt: str | list[str] = texts if self.engine == "sglang" else texts[0]
+        return {"model": self.model, "prompt": prompt, "add_special_tokens": False}
+
+    def _store(self, texts: list[str], response: httpx.Response) -> None:
+        response.raise_for_status()
+        tokens = response.json().get("tokens")
+        if self.engine == "sglang" and isinstance(tokens, list) and tokens and isinstance(tokens[0], int):
+            tokens = [tokens]  # one text answered flat
+        if self.engine == "vllm":
+            tokens = [tokens]
+        if not isinstance(tokens, list) or len(tokens) != len(texts):
+            raise ValueError("the engine's /tokenize answered an unexpected shape")
+        for ids in tokens:
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError("the engine's /tokenize answered malformed token ids")
+        with self._lock:
+            for text, ids in zip(texts, tokens, strict=True):
+                self._cache[text] = tuple(ids)
+                self._cache.move_to_end(text)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+
+    def _ends(self, texts: list[str], prompt_ids: Sequence[int]) -> list[int] | None:
+        with self._lock:
+            ids = [self._cache.get(text) for text in texts]
+        if any(block is None for block in ids):
+            return None  # forgotten meanwhile (a tiny cache): conservative
+        return block_token_ends(prompt_ids, [block for block in ids if block is not None])
+
+
+def _block_texts(prepared: PreparedRequest) -> list[str]:
+    return [render_block(block, prepared.templates) for block in prepared.blocks]
 
 
 class OpenAICompatClient:
@@ -195,8 +327,9 @@ class OpenAICompatClient:
         listener: an :class:`~contextpilot_integrations.engines.listener.EvictionListener`
             (or the :class:`~.sink.KvEventSink` a ZMQ subscriber feeds); the client then
             asks the engine for the prompt's token ids and registers them, so KV events
-            can be mapped to this request. Without block boundaries in tokens, a lost
-            block drops the whole request from the index (conservative).
+            can be mapped to this request, and where each block ends in them (the
+            blocks tokenized once each through the engine's ``/tokenize``), so a lost
+            tail page keeps the leading blocks predicted.
         usage_feedback: compare each answer's cached tokens with the prediction and drop
             what the engine no longer had (:meth:`ContextPilot.observe_cached`). Default:
             on without a listener (llama.cpp, hosted APIs), off with one (events are exact).
@@ -240,6 +373,7 @@ class OpenAICompatClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.listener = listener
         self.tracker: KvEventSink | None = listener.sink if isinstance(listener, _HasSink) else listener
+        self.block_tokenizer = BlockTokenizer(self.base_url, engine, model=model, headers=self._headers)
         if self.tracker is not None:
             for name, value in wire.PROMPT_IDS_REQUEST[engine].items():
                 self.extra_body.setdefault(name, value)
@@ -307,7 +441,11 @@ class OpenAICompatClient:
                 for chunk in response.iter_bytes():
                     if reader.feed(chunk):
                         break
-            return self._finish(prepared, start, reader.result(), before)
+            parsed = reader.result()
+            ends = None
+            if parsed.input_ids and self.tracker is not None:
+                ends = self.block_tokenizer.block_ends(prepared, parsed.input_ids, self._http)
+            return self._finish(prepared, start, parsed, before, ends)
         except httpx.TransportError as exc:
             self._forget(prepared)
             raise self._unavailable(exc) from exc
@@ -335,7 +473,12 @@ class OpenAICompatClient:
                 await asyncio.wait_for(exchange, self.deadline)
             else:
                 await exchange
-            return self._finish(prepared, start, reader.result(), before)
+            parsed = reader.result()
+            ends = None
+            if parsed.input_ids and self.tracker is not None:
+                async with httpx.AsyncClient(timeout=self._timeout(), headers=self._headers) as http:
+                    ends = await self.block_tokenizer.ablock_ends(prepared, parsed.input_ids, http)
+            return self._finish(prepared, start, parsed, before, ends)
         except (httpx.TransportError, asyncio.TimeoutError) as exc:
             self._forget(prepared)
             raise self._unavailable(exc) from exc
@@ -372,7 +515,14 @@ class OpenAICompatClient:
         snippet = body[:300].decode("utf-8", errors="replace").strip()
         return EngineHTTPError(f"{self.where} answered HTTP {status}: {snippet}", status)
 
-    def _finish(self, prepared: PreparedRequest, start: float, parsed: _Parsed, before_tokens: int) -> ChatResult:
+    def _finish(
+        self,
+        prepared: PreparedRequest,
+        start: float,
+        parsed: _Parsed,
+        before_tokens: int,
+        block_ends: list[int] | None = None,
+    ) -> ChatResult:
         usage = parsed.usage
         details = usage.get("prompt_tokens_details") or {}
         now = time.perf_counter()
@@ -385,6 +535,9 @@ class OpenAICompatClient:
             ttft_s=(parsed.first_s if parsed.first_s is not None else now) - start,
             total_s=now - start,
             usage=usage,
+            prompt_token_ids=tuple(parsed.input_ids) if parsed.input_ids else None,
+            answer_id=parsed.answer_id,
+            block_ends=tuple(block_ends) if block_ends is not None else None,
         )
         report_served(
             self.pilot,
@@ -395,6 +548,7 @@ class OpenAICompatClient:
             usage_feedback=self.usage_feedback,
             tracker=self.tracker,
             input_ids=parsed.input_ids,
+            block_ends=block_ends,
         )
         return result
 

@@ -43,7 +43,13 @@ SHORTFALL = 0.9
 class EventTracker(Protocol):
     """Where a served prompt's token ids go so KV events can be mapped to it (a sink)."""
 
-    def track(self, request_id: str, token_ids: Sequence[int], block_ends: Sequence[int] | None = None) -> None: ...
+    def track(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ends: Sequence[int] | None = None,
+        cached_tokens: int | None = None,
+    ) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -92,15 +98,18 @@ def report_served(
     usage_feedback: bool = True,
     tracker: EventTracker | None = None,
     input_ids: Sequence[int] | None = None,
+    block_ends: Sequence[int] | None = None,
 ) -> int:
     """Record a served request: the engine's counts in the pilot's statistics, the prompt's
-    token ids with the event tracker, and, with ``usage_feedback``, a shortfall of cached
-    blocks in the index. Returns how many live requests the feedback shortened.
+    token ids (with where each block ends, and the engine's cached tokens) with the event
+    tracker, and a shortfall of cached blocks in the index: exact when ``block_ends`` are
+    known (:func:`.kv_mapping.block_token_ends`), else estimated, with ``usage_feedback``.
+    Returns how many live requests the feedback shortened.
 
     Counts the engine got wrong (not ints, out of range, more cached than prompt tokens)
     are not reported: the call itself succeeded, so a warning is logged (once) instead."""
     if tracker is not None and input_ids:
-        tracker.track(prepared.request_id, input_ids)
+        tracker.track(prepared.request_id, input_ids, block_ends, cached_tokens)
     if pilot is None:
         return 0
     try:
@@ -109,6 +118,9 @@ def report_served(
         _warn_once(pilot, f"the engine's usage for request {prepared.request_id!r} is not reported to the pilot: {exc}")
         return 0
     pilot.record_usage(prepared, prompt_tokens, cached_tokens)
+    if block_ends is not None and cached_tokens is not None and prepared.cached_blocks:
+        held = sum(1 for end in block_ends if end <= cached_tokens)  # exact: token positions
+        return pilot.observe_cached(prepared, min(held, prepared.cached_blocks))
     if not usage_feedback or prompt_tokens is None or cached_tokens is None or not prepared.cached_blocks:
         return 0
     held = cached_blocks_from_usage(prepared, prompt_tokens, cached_tokens, before_tokens)

@@ -13,19 +13,28 @@ block dropped from the map counts as removed (its holders are shortened), and a 
 no longer tracked is reported back so its prediction can be dropped too, since nothing
 would tell us later when the engine evicts it.
 
+Confirmation. A request counts as cached only as far as its pages can be walked from the
+root of the engine's chain. After a late start or a reset, the engine may hold pages it
+announced before we listened (the system prompt, say): nothing walks through them, so the
+engine's own ``cached_tokens`` report for a served request anchors them. The pages it
+confirmed become *anchored* pages (placeholders, since their hashes were never seen), and
+the first stored block hanging below an unknown parent with the tokens of the request's
+next page gives the last anchored page its real hash, so later removals map again.
+
 Not thread-safe on its own: :class:`~contextpilot_integrations.engines.sink.KvEventSink`
 guards it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Iterable, MutableMapping, Sequence
 from typing import TypeVar
 
-__all__ = ["EngineBlockMap"]
+__all__ = ["EngineBlockMap", "block_token_ends"]
 
 PageKey = bytes  # parent block hash and the block's token ids, packed
 DEFAULT_MEDIUM = "GPU"
@@ -49,12 +58,29 @@ def page_key(parent_hash: BlockHash | None, tokens: Sequence[int]) -> PageKey:
         return head + b"\x02" + array("q", tokens).tobytes()
 
 
-class _Block:
-    __slots__ = ("key", "mediums")
+_ANCHOR = b"\xffanchored:"  # prefix of a placeholder hash (a page the engine confirmed)
 
-    def __init__(self, key: PageKey, medium: str) -> None:
+
+def _is_anchor(block_hash: BlockHash) -> bool:
+    return isinstance(block_hash, bytes) and block_hash.startswith(_ANCHOR)
+
+
+def _page_tokens(key: PageKey) -> bytes:
+    """The token part of a page key (what an orphan block and a request's page share)."""
+    if key[:1] == _NO_PARENT:
+        return key[1:]
+    if key[:1] == b"\x03":
+        return key[2 + key[1] :]
+    return key[10:]
+
+
+class _Block:
+    __slots__ = ("key", "mediums", "orphan")
+
+    def __init__(self, key: PageKey, medium: str, orphan: bool = False) -> None:
         self.key = key
         self.mediums: tuple[str, ...] = (medium,)
+        self.orphan = orphan  # stored below a parent never seen (before we listened)
 
 
 class _Request:
@@ -110,6 +136,10 @@ class EngineBlockMap:
         self._tracked_tokens = 0
         self._holders: dict[BlockHash, set[str]] = defaultdict(set)
         self._waiting: dict[PageKey, set[str]] = defaultdict(set)
+        self._orphans: dict[bytes, list[BlockHash]] = {}  # page tokens -> blocks with unknown parents
+        self._stuck: dict[bytes, set[str]] = defaultdict(set)  # next page tokens -> anchored requests
+        self.anchored_pages = 0
+        self.anchors_resolved = 0
         self._dropped: list[str] = []  # requests forgotten for the bounds, not yet reported
 
     def __len__(self) -> int:
@@ -133,12 +163,26 @@ class EngineBlockMap:
         return dropped
 
     # ---- our requests ----------------------------------------------------------------
-    def track(self, request_id: str, token_ids: Sequence[int], block_ends: Sequence[int] | None = None) -> None:
-        """Record a request's prompt token ids (and where each of its blocks ends)."""
+    def track(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ends: Sequence[int] | None = None,
+        engine_cached: int | None = None,
+    ) -> dict[str, int]:
+        """Record a request's prompt token ids (and where each of its blocks ends).
+
+        ``engine_cached``: the engine's own count of this prompt's tokens it served from
+        its cache; pages it covers that the events never showed are anchored (see the
+        module docstring). Returns {request id: prompt tokens now cached} for other
+        tracked requests whose cached prefix grew through the anchored pages.
+        """
         tokens = _as_tokens(token_ids)
         ends = tuple(block_ends) if block_ends else None
         if ends is not None and (any(b <= a for a, b in itertools.pairwise(ends)) or ends[-1] > len(tokens)):
             raise ValueError("block_ends must increase and lie within the prompt")
+        if engine_cached is not None and (isinstance(engine_cached, bool) or engine_cached < 0):
+            raise ValueError("engine_cached must be a non-negative int")
         self.forget(request_id)
         self._requests[request_id] = _Request(tokens, ends)
         self._tracked_tokens += len(tokens)
@@ -148,8 +192,13 @@ class EngineBlockMap:
             oldest = next(iter(self._requests))
             self.forget(oldest)
             self._dropped.append(oldest)
+        grown: dict[str, int] = {}
         if self.page_size:
             self._extend(request_id)
+            if engine_cached:
+                grown = self._anchor(request_id, min(engine_cached, len(tokens)) // self.page_size)
+        grown.pop(request_id, None)
+        return grown
 
     def forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -161,6 +210,7 @@ class EngineBlockMap:
         key = self._next_key(request)
         if key is not None:
             _discard(self._waiting, key, request_id)
+            _discard(self._stuck, _page_tokens(key), request_id)
 
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of this request the engine holds, as far as the events tell."""
@@ -207,11 +257,18 @@ class EngineBlockMap:
             block = self._blocks.get(block_hash)
             if block is None:
                 key = page_key(parent, token_ids[i * block_size : (i + 1) * block_size])
-                block = self._blocks[block_hash] = _Block(key, tier)
+                orphan = parent is not None and parent not in self._blocks
+                block = self._blocks[block_hash] = _Block(key, tier, orphan)
                 self._by_key[key] = block_hash
                 for request_id in self._waiting.pop(key, ()):
                     self._extend(request_id)
                     grown[request_id] = self.cached_tokens(request_id)
+                if orphan:
+                    assert parent is not None
+                    tokens = _page_tokens(key)
+                    self._orphans.setdefault(tokens, []).append(block_hash)
+                    for request_id in list(self._stuck.get(tokens, ())):
+                        grown.update(self._resolve(request_id))
             elif tier not in block.mediums:
                 block.mediums += (tier,)
             parent = block_hash
@@ -247,6 +304,8 @@ class EngineBlockMap:
         self._blocks.clear()
         self._holders.clear()
         self._waiting.clear()
+        self._orphans.clear()
+        self._stuck.clear()
         for request_id, request in self._requests.items():
             request.chain = []
             key = self._next_key(request)
@@ -263,11 +322,14 @@ class EngineBlockMap:
             if block is None:
                 continue
             self._by_key.pop(block.key, None)
+            if block.orphan:
+                self._forget_orphan(block.key, block_hash)
             for request_id in self._holders.pop(block_hash, ()):
                 request = self._requests[request_id]
                 stale = self._next_key(request)
                 if stale is not None:
                     _discard(self._waiting, stale, request_id)
+                    _discard(self._stuck, _page_tokens(stale), request_id)
                 cut = request.chain.index(block_hash)
                 for later in request.chain[cut + 1 :]:
                     _discard(self._holders, later, request_id)
@@ -275,6 +337,80 @@ class EngineBlockMap:
                 self._waiting[block.key].add(request_id)  # re-stored later: extend again
                 shortened[request_id] = cut * (self.page_size or 0)
         return shortened
+
+    def _anchor(self, request_id: str, pages: int) -> dict[str, int]:
+        """The engine served ``pages`` leading pages of this request from its cache: those
+        the events never showed become anchored pages. Returns the other requests that
+        grew (they were waiting on an anchored page)."""
+        request = self._requests[request_id]
+        grown: dict[str, int] = {}
+        while len(request.chain) < pages:
+            key = self._next_key(request)
+            if key is None:
+                break
+            if key not in self._by_key:
+                anchor = _ANCHOR + hashlib.blake2b(key, digest_size=16).digest()
+                self._blocks[anchor] = _Block(key, DEFAULT_MEDIUM)
+                self._by_key[key] = anchor
+                self.anchored_pages += 1
+                for waiting in self._waiting.pop(key, ()):
+                    if waiting != request_id:
+                        self._extend(waiting)
+                        grown[waiting] = self.cached_tokens(waiting)
+            self._extend(request_id)
+        grown.update(self._resolve(request_id))
+        return grown
+
+    def _resolve(self, request_id: str) -> dict[str, int]:
+        """A request whose chain ends on an anchored page waits for the block stored below
+        that page's real hash: an orphan block with the tokens of its next page. Found,
+        the anchored page takes the orphan's parent hash and the chain walks on."""
+        request = self._requests[request_id]
+        key = self._next_key(request)
+        if key is None or not request.chain or not _is_anchor(request.chain[-1]):
+            return {}
+        tokens = _page_tokens(key)
+        candidates = [h for h in self._orphans.get(tokens, ()) if self._blocks[h].key[:1] != _NO_PARENT]
+        if not candidates:
+            self._stuck[tokens].add(request_id)
+            return {}
+        orphan = self._blocks[candidates[-1]]  # the most recent one
+        real = _parent_of(orphan.key)
+        anchor = request.chain[-1]
+        _discard(self._stuck, tokens, request_id)
+        if real in self._blocks:  # that hash is known after all: the guess would be a conflict
+            return {}
+        block = self._blocks.pop(anchor)
+        self._blocks[real] = block
+        self._by_key[block.key] = real
+        holders = self._holders.pop(anchor, set())
+        self._holders[real] = holders
+        for holder in holders:
+            chain = self._requests[holder].chain
+            chain[chain.index(anchor)] = real
+        for child in [h for h in self._orphans.get(tokens, ()) if _parent_of(self._blocks[h].key) == real]:
+            self._blocks[child].orphan = False
+            self._forget_orphan(self._blocks[child].key, child)
+        self.anchors_resolved += 1
+        grown: dict[str, int] = {}
+        for holder in list(holders):
+            before = len(self._requests[holder].chain)
+            next_key = self._next_key(self._requests[holder])
+            if next_key is not None:
+                _discard(self._waiting, next_key, holder)
+                _discard(self._stuck, _page_tokens(next_key), holder)
+            self._extend(holder)
+            if len(self._requests[holder].chain) > before:
+                grown[holder] = self.cached_tokens(holder)
+        return grown
+
+    def _forget_orphan(self, key: PageKey, block_hash: BlockHash) -> None:
+        tokens = _page_tokens(key)
+        orphans = self._orphans.get(tokens)
+        if orphans is not None and block_hash in orphans:
+            orphans.remove(block_hash)
+            if not orphans:
+                del self._orphans[tokens]
 
     def _next_key(self, request: _Request) -> PageKey | None:
         size = self.page_size
@@ -297,8 +433,68 @@ class EngineBlockMap:
                 self._waiting[key].add(request_id)
                 return
             _discard(self._waiting, key, request_id)
+            _discard(self._stuck, _page_tokens(key), request_id)
             request.chain.append(block_hash)
             self._holders[block_hash].add(request_id)
+
+
+def _parent_of(key: PageKey) -> BlockHash:
+    """The parent hash a page key was made from (a key that has one)."""
+    if key[:1] == b"\x03":
+        return key[2 : 2 + key[1]]
+    return int.from_bytes(key[1:10], "little", signed=True)
+
+
+def block_token_ends(prompt_ids: Sequence[int], block_ids: Sequence[Sequence[int]]) -> list[int] | None:
+    """Where each block ends in a prompt's token ids (exclusive positions, increasing).
+
+    ``block_ids`` are the token ids of each block's rendered text tokenized alone (without
+    special tokens), in send order; each is located in ``prompt_ids`` after the previous
+    one. A tokenizer may merge a block's first or last token with its neighbours in the
+    prompt, so when the whole block is not found its interior is, and the end is placed
+    one token past the interior: late by at most a token, which can only make a block
+    count as cached later, never earlier. ``None`` when a block cannot be located.
+    """
+    prompt = _as_tokens(prompt_ids)
+    if prompt.typecode != "q":
+        prompt = array("q", prompt)
+    haystack = prompt.tobytes()
+    ends: list[int] = []
+    start = 0
+    for ids in block_ids:
+        if not ids:
+            return None
+        found = _find(haystack, ids, start)
+        if found is not None:
+            end = found + len(ids)
+        elif len(ids) > 2:
+            found = _find(haystack, ids[1:-1], start)
+            if found is None:
+                return None
+            end = min(found + len(ids) - 1, len(prompt))
+        else:
+            return None
+        if ends and end <= ends[-1]:
+            return None
+        ends.append(end)
+        start = end
+    return ends
+
+
+def _find(haystack: bytes, needle: Sequence[int], start: int) -> int | None:
+    """Token position of ``needle`` in ``haystack`` (8-byte tokens) at or after ``start``."""
+    try:
+        pattern = array("q", needle).tobytes()
+    except OverflowError:
+        return None
+    at = start * 8
+    while True:
+        at = haystack.find(pattern, at)
+        if at == -1:
+            return None
+        if at % 8 == 0:
+            return at // 8
+        at += 8 - at % 8
 
 
 K = TypeVar("K", bound=Hashable)

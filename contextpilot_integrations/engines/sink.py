@@ -9,8 +9,10 @@ Sequence numbers, per publisher (one engine process and data-parallel rank):
   never predict a hit it cannot confirm;
 - a publisher id not seen before is a new engine process (a restart gets a new id). Its
   first batch carries ``AllBlocksCleared`` (SGLang sends one when it builds its cache),
-  which resets the index; a new publisher whose first batch is not number 0 has lost
-  events, which resets it too;
+  which resets the index; a new publisher whose first batch is not number 0, after
+  another publisher, has lost events, which resets it too. The first publisher ever
+  heard may start past 0 (we started after the engine): no reset, since nothing held came
+  from events yet; :meth:`KvEventSink.track` confirms each request against them.
 - a transport that cannot tell processes apart by id (ZMQ: the same address, numbers
   starting again at 0) calls :meth:`KvEventSink.restarted` when the numbers go back.
 
@@ -47,6 +49,12 @@ class SinkStats(BaseModel):
     """Publishers whose numbers went back (a new engine process at the same address)."""
     requests_shortened: int = 0
     """Requests whose prediction a batch shortened (each counted once per batch)."""
+    requests_unconfirmed: int = 0
+    """Served requests held to fewer blocks than predicted: their pages were not (yet) confirmed."""
+    anchored_pages: int = 0
+    """Pages the engine reported cached that no event had shown (stored before we listened)."""
+    anchors_resolved: int = 0
+    """Anchored pages whose real hash a later stored block revealed."""
     requests_evicted: int = 0
     requests_untracked: int = 0
     """Requests dropped from the index because the block map's bounds forgot them."""
@@ -85,13 +93,39 @@ class KvEventSink:
         self._stats = SinkStats()
         self._latencies: deque[float] = deque(maxlen=10_000)
 
-    def track(self, request_id: str, token_ids: Iterable[int], block_ends: Iterable[int] | None = None) -> None:
-        """Record a sent request's prompt token ids (and where each of its blocks ends)."""
+    def track(
+        self,
+        request_id: str,
+        token_ids: Iterable[int],
+        block_ends: Iterable[int] | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        """Record a served request's prompt token ids (and where each of its blocks ends).
+
+        The pilot's prediction for it is then held to what the engine's events confirm:
+        its pages walked through the stored chain, plus the pages the engine itself
+        reported as served from its cache (``cached_tokens``). A request whose leading
+        pages were stored before we listened (a late start, a reset) is otherwise
+        confirmed only up to the pages we know; its blocks come back when their store
+        events arrive.
+        """
         tokens = list(token_ids)
         ends = list(block_ends) if block_ends is not None else None
         with self._lock:
-            self.block_map.track(request_id, tokens, ends)
+            grown = self.block_map.track(request_id, tokens, ends, cached_tokens)
+            for other, cached in grown.items():
+                self.pilot.restore(other, self.block_map.blocks_within(other, cached))
+            keep = self.block_map.blocks_within(request_id, self.block_map.cached_tokens(request_id))
+            if keep is not None and self.pilot.truncate(request_id, keep):
+                self._stats.requests_unconfirmed += 1
             self._evict_untracked()
+
+    def confirmed_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens of a tracked request the events confirm cached (``None``: not tracked)."""
+        with self._lock:
+            if request_id not in self.block_map:
+                return None
+            return self.block_map.cached_tokens(request_id)
 
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (it failed, or the pilot forgot it)."""
@@ -107,8 +141,11 @@ class KvEventSink:
             if last is not None and batch.seq <= last:
                 stats.duplicate_batches += 1
                 return False
+            # a first publisher heard past number 0 means we started late, not that we lost
+            # what we knew: nothing held came from events, and tracking confirms each request
+            # only up to the pages the events (or the engine's cached-token report) show
             if (last is not None and batch.seq != last + 1) or (
-                last is None and batch.seq > 0 and self.pilot.stats().live_requests
+                last is None and batch.seq > 0 and self._last_seq and self.pilot.stats().live_requests
             ):
                 stats.sequence_gaps += 1
                 self._reset()  # events were lost: predict nothing we cannot confirm
@@ -180,6 +217,8 @@ class KvEventSink:
             update: dict[str, Any] = {
                 "tracked_requests": len(self.block_map),
                 "engine_blocks": self.block_map.stored_blocks,
+                "anchored_pages": self.block_map.anchored_pages,
+                "anchors_resolved": self.block_map.anchors_resolved,
             }
             if latencies:
                 update["latency_p50_ms"] = latencies[len(latencies) // 2] * 1e3

@@ -441,7 +441,7 @@ def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple
 def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple[int, int], replay: bool) -> None:
     """SGLang publishes batch 0 (``AllBlocksCleared``) when it builds its cache, before a
     subscriber's subscription takes effect: it is fetched from the replay socket, and without
-    one the loss is counted."""
+    one the loss is counted (a late start: no reset)."""
     import_sglang()
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
@@ -471,8 +471,10 @@ def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple
         assert seen.batches == 2 and seen.recovered_gaps == 1 and seen.replayed_batches == 1
         assert sink.stats().index_resets == 1  # by the AllBlocksCleared it fetched
     else:
-        assert seen.batches == 1 and seen.unrecovered_gaps == 1
-        assert sink.stats().sequence_gaps == 1 and pilot.stats().live_requests == 0
+        assert seen.batches == 1 and seen.unrecovered_gaps == 1  # the loss is counted
+        # the first publisher ever heard starting past 0 is a late start, not lost knowledge:
+        # no reset (requests the engine serves are held to what its events confirm)
+        assert sink.stats().index_resets == 0
 
 
 def test_heartbeat_fetches_a_lost_last_batch(ports: tuple[int, int]) -> None:
