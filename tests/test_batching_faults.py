@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from contextpilot_integrations import Block, BlockTypeError, ContextPilot, MicroBatcher
 from contextpilot_integrations.engines import Router, Target
 from contextpilot_integrations.pilot import BatchRequest
+from tests.thread_support import in_thread
 
 TIMEOUT = 10.0
 """Seconds a call may take before the test calls it a hang (the calls take milliseconds)."""
@@ -30,26 +31,6 @@ TIMEOUT = 10.0
 
 def docs(*names: str) -> list[Block]:
     return [Block(id=name, text=f"{name} is about topic {name}. " * 8) for name in names]
-
-
-def in_thread(call: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
-    """Run ``call`` in a daemon thread; its result, or its exception raised here. Fails,
-    instead of hanging, if it has not finished within ``timeout``."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"the call still runs after {timeout} s (a hang)"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:

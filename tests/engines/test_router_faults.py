@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from contextpilot_integrations import BatchRequest, Block, MicroBatcher
 from contextpilot_integrations.engines import EngineTimeout, EngineUnavailable, Router, RoutingClient, Target
 from contextpilot_integrations.errors import BlockTypeError, DuplicateRequestError
+from tests.thread_support import in_thread
 
 ROUTINGS = Router.ROUTINGS
 POOL = {name: Block(id=name, text=f"Document {name}: " + f"the facts about {name}. " * 30) for name in "WXYZ"}
@@ -139,23 +140,8 @@ def assert_every_reference_is_carried(replicas: list[Replica]) -> int:
 
 
 def finishes(call: Callable[[], Any], seconds: float = 5.0) -> Any:
-    """``call()`` in a daemon thread; fails (instead of hanging the suite) if it does not
-    return within ``seconds``."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as exc:  # handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{getattr(call, '__name__', call)} did not return within {seconds} s (deadlock?)"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    """``call()``, failing (instead of hanging the suite) if it does not return within ``seconds``."""
+    return in_thread(call, seconds)
 
 
 # ---- 1. the router's lock is never taken twice ---------------------------------------------------------------
