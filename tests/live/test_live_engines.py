@@ -92,16 +92,8 @@ def test_a_restarted_application_converges_to_the_running_engine(path: EventPath
     assert late.requests == 30 and late.agree + late.partial >= 29 and late.over == 0
 
 
-def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath, request: pytest.FixtureRequest) -> None:
+def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath) -> None:
     """Last in the module: it replaces the engine."""
-    if path.name.endswith("zmq"):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=False,
-                reason="issue 20 (branch fix-subscriber): the ZMQ subscriber takes a restarted engine's "
-                "sequence numbers (from 0 again, same endpoint) for duplicates and drops its events",
-            )
-        )
     path.flush()
     client, sink = path.connect()
     pilot = client.pilot
