@@ -31,7 +31,7 @@ class InvocationBinder(BaseCallbackHandler):
     """The run tree of one invocation, and the requests its steps prepared."""
 
     run_inline = True  # record each run before its children start, in async chains too
-    raise_error = True
+    raise_error = False  # bookkeeping only: a problem here must never fail the user's chain
 
     def __init__(self) -> None:
         self.runs = RunBinder()
