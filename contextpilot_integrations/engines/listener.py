@@ -215,13 +215,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._reader.await_request(self.server.header_timeout)
+        self._slow_counted = False
         try:
             super().handle_one_request()  # a TimeoutError while reading the head closes the connection
         finally:
             self.server.mark(self.connection, busy=False)
             if self._reader.expired:
                 self.close_connection = True
-                self.server.sink.count("slow_requests_closed")
+                self._count_slow()
+
+    def _count_slow(self) -> None:
+        """A request that took too long is closed: counted once, before any answer leaves."""
+        if not self._slow_counted:
+            self._slow_counted = True
+            self.server.sink.count("slow_requests_closed")
 
     def parse_request(self) -> bool:
         self.server.mark(self.connection, busy=True)  # the request line came: not idle
@@ -313,6 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self.rfile.read(int(length))
         except TimeoutError:
+            self._count_slow()  # before the 408 is written: a client reading it sees the count
             raise _BadRequest(408, f"the body did not arrive within {self.server.body_timeout:g} s") from None
         try:
             return json.loads(body, parse_constant=_reject_constant)
