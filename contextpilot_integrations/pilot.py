@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,6 +61,13 @@ class PilotStats(BaseModel):
     references_restored: int = 0
     """Location references sent as full text after all, because the messages that left for
     the engine did not carry the text they pointed to (see :meth:`ContextPilot.note_restored`)."""
+    shared_connected: bool | None = None
+    """Sharing across workers (``shared=``): whether the broker is reachable now; ``None``
+    when sharing is off."""
+    shared_unsent: int = 0
+    """Entries of this worker waiting for the broker (sent once it is back)."""
+    shared_applied: int = 0
+    """Entries of other workers applied to this index."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -116,6 +124,10 @@ class ContextPilot:
             (``None``: never).
         max_conversations: bound on conversations tracked (least recently used go first).
         request_id_prefix: prefix of generated request ids.
+        shared: share this index with other workers through a broker: a URL such as
+            ``"nats://127.0.0.1:4222"`` or :class:`~contextpilot_integrations.shared.SharedOptions`
+            (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
+            See :mod:`contextpilot_integrations.shared`.
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -129,6 +141,7 @@ class ContextPilot:
         conversation_ttl: float | None = 3600.0,
         max_conversations: int = 10_000,
         request_id_prefix: str = "cp",
+        shared: Any = None,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
@@ -148,6 +161,31 @@ class ContextPilot:
         self._counters = _Counters()
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
+        self._observers: list[Callable[..., None]] = []
+        self.shared: Any = None
+        """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
+        shared = shared if shared is not None else os.environ.get("CONTEXTPILOT_SHARED") or None
+        if shared is not None:
+            from .shared import attach  # imported only when sharing is on: no broker client otherwise
+
+            self.shared = attach(self, shared)
+
+    def add_observer(self, observer: Callable[..., None]) -> None:
+        """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds:
+        ``("sent", request_id, block_ids, token_counts)``, ``("evicted", request_ids)``,
+        ``("truncated", request_id, cached_blocks)``, ``("restored", request_id, cached_blocks)``,
+        ``("reset",)``. It runs under the pilot's lock: it must be quick and must not raise
+        (the shared-state client only queues the entry)."""
+        with self._lock:
+            self._observers = [*self._observers, observer]
+
+    def remove_observer(self, observer: Callable[..., None]) -> None:
+        with self._lock:
+            self._observers = [o for o in self._observers if o is not observer]
+
+    def _notify(self, kind: str, *details: Any) -> None:
+        for observer in self._observers:
+            observer(kind, *details)
 
     @property
     def strategy(self) -> str:
@@ -242,6 +280,8 @@ class ContextPilot:
             self._live[rid] = next(self._ticks)
             self._orders[rid] = tuple(order)
             self._enforce_bound()
+            if self._observers:
+                self._notify("sent", rid, tuple(order), tuple([block.token_count for block in sent]))
         sizes = [block.token_count for block in sent]
         if cached_blocks:
             cached_tokens = sum(sizes[:cached_blocks])
@@ -371,6 +411,8 @@ class ContextPilot:
                     self._forget(rid)
                     evicted += 1
             self._counters.evicted += evicted
+            if self._observers and request_ids:
+                self._notify("evicted", tuple(request_ids))
             return evicted
 
     def truncate(self, request_id: str, cached_blocks: int) -> bool:
@@ -382,6 +424,8 @@ class ContextPilot:
         """
         _check_count("cached_blocks", cached_blocks)
         with self._lock:
+            if self._observers:
+                self._notify("truncated", request_id, cached_blocks)
             if request_id not in self._live:
                 return False
             if cached_blocks == 0:
@@ -402,6 +446,8 @@ class ContextPilot:
         if cached_blocks is not None:
             _check_count("cached_blocks", cached_blocks)
         with self._lock:
+            if self._observers:
+                self._notify("restored", request_id, cached_blocks)
             order = self._orders.get(request_id)
             if order is None:
                 return False
@@ -426,6 +472,8 @@ class ContextPilot:
             self._orders.clear()
             self._trie.clear()
             self._strategy.reset()
+            if self._observers:
+                self._notify("reset")
 
     def record_usage(self, prepared: PreparedRequest, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """Add the engine's own token accounting for a served request to the statistics.
@@ -470,6 +518,8 @@ class ContextPilot:
                 self._live[rid] = next(self._ticks)
                 self._orders[rid] = tuple(order)
                 self._enforce_bound()
+                if self._observers:
+                    self._notify("sent", rid, tuple(order), tuple([block.token_count for block in prepared.blocks]))
             adopted = replace(
                 prepared,
                 request_id=rid,
@@ -576,6 +626,30 @@ class ContextPilot:
             if prepared.conversation_id is not None and prepared.turn is not None:
                 self._conversations.carry(prepared.conversation_id, prepared.turn, restored)
 
+    def record_sent(self, request_id: str, block_ids: Sequence[str]) -> bool:
+        """Another worker sent this request (its blocks in send order) to the engine this
+        pilot models: index it as if this pilot had prepared it (what the shared log applies).
+        Idempotent: a request already live keeps its place. Returns whether it was new."""
+        _check_request_id(request_id)
+        order = list(block_ids)
+        if not order or not all(isinstance(key, str) for key in order):
+            raise TypeError("block_ids must be a non-empty sequence of str")
+        with self._lock:
+            if request_id in self._live or request_id in self._reserved:
+                return False
+            self._strategy.order(request_id, order)  # the strategy learns the request (popularity, tree)
+            self._trie.insert(request_id, order)
+            self._live[request_id] = next(self._ticks)
+            self._orders[request_id] = tuple(order)
+            self._enforce_bound()
+            return True
+
+    def live_orders(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(request id, block ids the engine is predicted to hold) per live request, oldest
+        first: the index as a snapshot (see :meth:`record_sent`)."""
+        with self._lock:
+            return [(rid, tuple(self._trie.order_of(rid))) for rid in self._live]
+
     def live_request_ids(self) -> list[str]:
         """Ids of the requests the index holds, oldest first."""
         with self._lock:
@@ -583,6 +657,7 @@ class ContextPilot:
 
     def stats(self) -> PilotStats:
         """Live index size, conversations tracked, hits predicted."""
+        shared = self.shared.status() if self.shared is not None else {}
         with self._lock:
             c = self._counters
             return PilotStats(
@@ -603,6 +678,7 @@ class ContextPilot:
                 engine_cached_tokens=c.engine_cached_tokens,
                 feedback_shortened=c.feedback_shortened,
                 references_restored=c.references_restored,
+                **shared,
             )
 
     def check(self) -> None:

@@ -26,6 +26,7 @@ from .engine_compare import EngineComparison, EngineComparisonError
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
 from .trace import TraceError, TraceRequest, load_trace, multihop_trace, working_set_tokens
+from .workers import worker_rows
 
 DEFAULT_STRATEGY = inspect.signature(ContextPilot).parameters["strategy"].default
 DEFAULT_CAPACITIES = (0.1, 0.25, 0.5, 1.0)
@@ -178,6 +179,16 @@ def _parser() -> argparse.ArgumentParser:
             default=["round_robin", "cache_aware"],
             help=f"online with --targets > 1: from {', '.join(ROUTINGS)} (default: round_robin,cache_aware)",
         )
+        command.add_argument(
+            "--workers",
+            type=_count(1),
+            default=1,
+            help="online: deal requests round-robin to this many application workers on one engine, each with its "
+            "own index (what uvicorn --workers N does)",
+        )
+        command.add_argument(
+            "--shared", action="store_true", help="online with --workers: also the shared view (issue 23), side by side"
+        )
         command.add_argument("--feedback", choices=FEEDBACKS, default="request", help=FEEDBACK_HELP)
         command.add_argument(
             "--history-turns",
@@ -277,11 +288,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_key = _plan_key(runs, args) if args.command == "simulate" and args.plan_out else None
     rows = []
     total = sum(
-        len(trace) * (len(args.routing) if mode == "online" and args.targets > 1 else 1) for trace, mode, *_ in runs
+        len(trace)
+        * (len(args.routing) if mode == "online" and args.targets > 1 else 1)
+        * (1 + args.shared if mode == "online" and args.workers > 1 else 1)
+        for trace, mode, *_ in runs
     )
     with tqdm(total=total, desc="replaying", unit="req", disable=args.quiet or args.json) as bar:
         for trace, mode, fraction, capacity, strategy, dedup, baseline in runs:
             bar.set_postfix_str(f"{mode} {fraction:.0%} {strategy}", refresh=False)
+            if mode == "online" and args.workers > 1:
+                rows += worker_rows(
+                    trace, strategy, capacity, fraction, workers=args.workers, shared=args.shared,
+                    name=label(strategy), baseline=baseline, feedback=args.feedback, shape=shape, arrival=args.arrival,
+                )  # fmt: skip
+                bar.update(len(trace) * (2 if args.shared else 1))
+                continue
             if mode == "online" and args.targets > 1:
                 for routing in args.routing:
                     result = replay_routed(
@@ -397,6 +418,8 @@ def _check_outputs(args: argparse.Namespace, modes: Sequence[str]) -> str | None
             return problem
     if args.engine and args.engine_cmd:
         return "give --engine URL or --engine-cmd CMD, not both"
+    if args.workers > 1 and args.targets > 1:
+        return "give --workers (one engine, several workers) or --targets (several engines), not both"
     return None
 
 
