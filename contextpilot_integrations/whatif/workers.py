@@ -35,7 +35,7 @@ from .trace import TraceRequest
 
 __all__ = ["replay_workers", "worker_rows"]
 
-_Entry = tuple[int, Callable[[ContextPilot], Any]]  # (origin worker, what to apply)
+_Entry = tuple[int, str, tuple[Any, ...]]  # (origin worker, pilot method, its arguments)
 
 
 def replay_workers(
@@ -74,10 +74,10 @@ def replay_workers(
     system = _system(shape)
     for step, index in enumerate(arrival_order(trace, arrival)):
         while log and log[0][0] <= step:
-            _, (origin, apply) = log.popleft()
+            _, (origin, method, arguments) = log.popleft()
             for number, pilot in enumerate(pilots):
                 if number != origin:
-                    apply(pilot)
+                    getattr(pilot, method)(*arguments)
         worker = step % workers
         pilot = pilots[worker]
         request = trace[index]
@@ -93,7 +93,7 @@ def replay_workers(
         entries: list[_Entry] = []
         if shared:
             order = [block.id for block in prepared.blocks]
-            entries.append((worker, lambda p, rid=rid, order=order: p.record_sent(rid, order)))
+            entries.append((worker, "record_sent", (rid, order)))
         entries += _feedback(pilots, served, feedback, owner, layout, prepared, worker)
         for entry in entries if shared else ():
             log.append((step + 1 + lag, entry))
@@ -143,11 +143,11 @@ def _feedback(
         if feedback == "request":
             del layout[rid]
             target.evict([rid])
-            entries.append((owner[rid], lambda p, rid=rid: p.evict([rid])))
+            entries.append((owner[rid], "evict", ([rid],)))
         else:
             keep = max(0, min(count, cached_units - before))
             target.truncate(rid, keep)
-            entries.append((owner[rid], lambda p, rid=rid, keep=keep: p.truncate(rid, keep)))
+            entries.append((owner[rid], "truncate", (rid, keep)))
     return entries
 
 

