@@ -75,8 +75,8 @@ class Applier:
             elif kind == "truncated":
                 self.pilot.truncate(entry[1], entry[2])
             elif kind == "restored":
-                self.forget_evicted(entry[1])
-                self.pilot.restore(entry[1], entry[2])
+                if self.pilot.restore(entry[1], entry[2]) and entry[1] in self.pilot.live_request_ids():
+                    self.forget_evicted(entry[1])  # back in the engine: a later "sent" replay may index it
             elif kind == "reset":
                 self.pilot.reset()
         except (TypeError, ValueError):
@@ -93,11 +93,11 @@ class Applier:
         """Apply a snapshot; returns its sequence (0 when it is not one this version reads)."""
         if not isinstance(snapshot, dict) or snapshot.get("v") != 1 or not isinstance(snapshot.get("seq"), int):
             return 0
-        self.remember_evicted(rid for rid in snapshot.get("evicted", ()) if isinstance(rid, str))
-        for item in snapshot.get("live", ()):
+        for item in snapshot.get("live", ()):  # first: a request restored after an eviction is live
             try:
                 rid, order = item
                 self.pilot.record_sent(rid, order)
             except (TypeError, ValueError):
                 continue
+        self.remember_evicted(rid for rid in snapshot.get("evicted", ()) if isinstance(rid, str))
         return int(snapshot["seq"])

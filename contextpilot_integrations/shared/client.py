@@ -125,8 +125,6 @@ class SharedIndex:
             return
         if kind == "evicted":
             self.applier.remember_evicted(details[0])
-        elif kind == "restored":
-            self.applier.forget_evicted(details[0])
         self._outbox.append((kind, *details, time.time()))
         if len(self._outbox) > self.options.max_unsent:
             self._outbox.popleft()
@@ -232,6 +230,11 @@ class SharedIndex:
         try:
             loop.run_until_complete(self._run())
         finally:
+            pending = asyncio.all_tasks(loop)  # the client's own tasks (heartbeat checks) end with it
+            for task in pending:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             with contextlib.suppress(Exception):
                 loop.run_until_complete(loop.shutdown_asyncgens())
             self._loop = None
@@ -261,13 +264,18 @@ class SharedIndex:
         while not self._stopping:
             nc = None
             try:
-                nc = await nats.connect(
-                    self.options.url,
-                    connect_timeout=2,
-                    allow_reconnect=False,  # this loop reconnects, and resubscribes from where it was
-                    error_cb=self._quiet,
-                    disconnected_cb=self._quiet_cb,
-                    closed_cb=self._quiet_cb,
+                nc = await asyncio.wait_for(
+                    nats.connect(
+                        self.options.url,
+                        connect_timeout=2,
+                        allow_reconnect=False,  # this loop reconnects, and resubscribes from where it was
+                        max_reconnect_attempts=1,  # the client's own first-connect retries: few and quick
+                        reconnect_time_wait=0.1,
+                        error_cb=self._quiet,
+                        disconnected_cb=self._quiet_cb,
+                        closed_cb=self._quiet_cb,
+                    ),
+                    5.0,
                 )
                 await self._session(nc)
                 backoff = 0.1

