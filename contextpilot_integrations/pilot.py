@@ -28,7 +28,7 @@ from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
-from .index.strategies import Strategy, make_strategy
+from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
 from .usage import check_usage
 
@@ -637,7 +637,10 @@ class ContextPilot:
         with self._lock:
             if request_id in self._live or request_id in self._reserved:
                 return False
-            self._strategy.order(request_id, order)  # the strategy learns the request (popularity, tree)
+            if self._strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
+                self._strategy.commit(PlannedBatch([], []), [(request_id, order)])
+            else:
+                self._strategy.order(request_id, order)  # the paper's tree learns the request
             self._trie.insert(request_id, order)
             self._live[request_id] = next(self._ticks)
             self._orders[request_id] = tuple(order)

@@ -298,10 +298,11 @@ class SharedIndex:
         return None
 
     async def _sleep(self, seconds: float) -> None:
+        """Sleep until woken (an entry queued, close) or ``seconds`` passed."""
         assert self._wake is not None
-        self._wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
 
     async def _session(self, nc: Any) -> None:
         from nats.js import api
@@ -349,10 +350,10 @@ class SharedIndex:
                 if store is not None and options.snapshot_interval > 0 and time.monotonic() >= next_snapshot:
                     next_snapshot = time.monotonic() + options.snapshot_interval
                     await self._write_snapshot(store)
+                self._idle = True  # first: an entry queued from now on wakes the loop
                 if not self._outbox and not self._messages:
-                    self._idle = True
                     await self._sleep(0.25)
-                    self._idle = False
+                self._idle = False
             if not self._stopping:
                 raise ConnectionError("connection lost")
         finally:
