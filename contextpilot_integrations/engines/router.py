@@ -197,6 +197,10 @@ class Router:
         down_seconds: how long an unreachable target is routed around.
         max_conversations: conversations remembered (where each one lives, and what its
             turns showed); the least recent are forgotten.
+        shared: share every target's predicted state and where conversations live with the
+            other application replicas (a ``nats://`` URL or
+            :class:`~contextpilot_integrations.shared.SharedOptions`; default
+            ``CONTEXTPILOT_SHARED``): each target's pilot shares under the target's name.
         **pilot_options: passed to every target's :class:`ContextPilot`.
     """
 
@@ -211,6 +215,7 @@ class Router:
         routing: str = "cache_aware",
         down_seconds: float = 30.0,
         max_conversations: int = 10_000,
+        shared: Any = None,
         **pilot_options: Any,
     ) -> None:
         names = [target.name for target in targets]
@@ -225,7 +230,9 @@ class Router:
         self.routing = routing
         self.down_seconds = down_seconds
         self.max_conversations = max_conversations
-        pilots = [ContextPilot(strategy, **pilot_options) for _ in targets]
+        from ..shared.switch import per_target  # no broker client unless sharing is on
+
+        pilots = [ContextPilot(strategy, shared=per_target(shared, t.name), **pilot_options) for t in targets]
         self._pilot_lock = threading.RLock()
         self._turns = _SharedConversations(pilots[0]._conversations.ttl, max_conversations)
         for pilot in pilots:  # one conversation store, decided and recorded under one lock
@@ -237,6 +244,19 @@ class Router:
         self._next = 0
         self._uses = 0
         self._lock = threading.Lock()
+        for pilot in pilots:
+            if pilot.shared is not None:  # other replicas' conversations, as they place them
+                pilot.shared.applier.handlers["stick"] = self._stick
+
+    def _stick(self, conversation_id: str, name: str) -> None:
+        """Another replica placed this conversation on target ``name``."""
+        if not isinstance(conversation_id, str) or name not in self._states:
+            return
+        with self._lock:
+            self._conversations[conversation_id] = name
+            self._conversations.move_to_end(conversation_id)
+            while len(self._conversations) > self.max_conversations:
+                self._conversations.popitem(last=False)
 
     # ---- state ----------------------------------------------------------------------------
     def pilot(self, target: Target | str) -> ContextPilot:
@@ -374,6 +394,9 @@ class Router:
         conversation lives (most recent last; the least recent beyond the bound forgotten)."""
         self._next += draft.turned
         for conversation_id, name in draft.sticks.items():
+            shared = self._states[name].pilot.shared
+            if shared is not None and self._conversations.get(conversation_id) != name:
+                shared.publish("stick", conversation_id, name)
             self._conversations[conversation_id] = name
             self._conversations.move_to_end(conversation_id)
         while len(self._conversations) > self.max_conversations:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .entries import Entry
@@ -35,6 +35,9 @@ class Applier:
         self._lock = threading.Lock()
         self.applied = 0
         self.skipped = 0
+        self.handlers: dict[str, Callable[..., None]] = {}
+        """Entries that are not about the index (a router's ``stick``): kind -> handler,
+        called with the entry's fields (its time left off), for other workers' entries."""
 
     def remember_evicted(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -79,6 +82,8 @@ class Applier:
                     self.forget_evicted(entry[1])  # back in the engine: a later "sent" replay may index it
             elif kind == "reset":
                 self.pilot.reset()
+            elif kind in self.handlers:
+                self.handlers[kind](*entry[1:-1])
         except (TypeError, ValueError):
             self.skipped += 1  # a malformed entry from another worker never stops this one
             return

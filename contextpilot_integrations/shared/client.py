@@ -134,6 +134,11 @@ class SharedIndex:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._wake.set)
 
+    def publish(self, kind: str, *details: Any) -> None:
+        """Publish an entry that is not an index event (a router's ``("stick",
+        conversation_id, target)``); other workers hand it to ``applier.handlers[kind]``."""
+        self._observe(kind, *details)
+
     def status(self) -> dict[str, Any]:
         """What :meth:`ContextPilot.stats` reports."""
         return {

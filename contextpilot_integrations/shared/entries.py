@@ -9,6 +9,7 @@ learned them. Each entry is one of the pilot's observer events (see
     ["truncated", request_id, cached_blocks, time]
     ["restored", request_id, cached_blocks or null, time]
     ["reset", time]
+    ["stick", conversation_id, target name, time]   (a router: where a conversation lives)
 
 The time (seconds since the epoch, when the worker learned it) measures propagation lag.
 A message that does not decode is skipped whole (a newer worker's format, or damage), so
@@ -27,7 +28,7 @@ Entry = tuple[Any, ...]
 """(kind, *details, time): an observer event with the time it was learned."""
 
 _FORMAT = 1
-_KINDS = {"sent": 4, "evicted": 2, "truncated": 3, "restored": 3, "reset": 1}  # kind -> fields after it
+_KINDS = {"sent": 4, "evicted": 2, "truncated": 3, "restored": 3, "reset": 1, "stick": 3}  # kind -> fields after it
 
 
 @dataclass(frozen=True, slots=True)
