@@ -16,6 +16,7 @@ the entries go out and the stream is followed from where it was left.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import json
@@ -118,6 +119,10 @@ class SharedIndex:
         pilot.add_observer(self._observe)
         self._thread.start()
         self._ready.wait(5.0)
+        atexit.register(self._at_exit)  # a worker that exits normally sends what it learned last
+
+    def _at_exit(self) -> None:
+        self.close(timeout=2.0)
 
     # ---- the pilot's side (any thread, under the pilot's lock: quick) --------------------------
     def _observe(self, kind: str, *details: Any) -> None:
@@ -202,6 +207,7 @@ class SharedIndex:
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is pending (for at most ``timeout``), then stop the thread."""
+        atexit.unregister(self._at_exit)
         self.pilot.remove_observer(self._observe)
         if self._connected:
             self.flush(timeout)
