@@ -48,10 +48,10 @@ from .simulate import BlockSpec
 from .trace import TraceRequest, turns_in_order
 
 __all__ = [
-    "BASELINES",
+    "MARKINGS",
     "DEMO_PROVIDER",
     "DEFAULT_RATE",
-    "Baseline",
+    "Marking",
     "ProviderRun",
     "add_provider_options",
     "provider_runs",
@@ -60,8 +60,11 @@ __all__ = [
     "simulate_provider",
 ]
 
-Baseline = Literal["system", "auto", "none"]
-BASELINES: tuple[Baseline, ...] = ("system", "auto", "none")
+Marking = Literal["plan", "system", "auto", "none"]
+"""Which cache markers a pass sends on Anthropic and Bedrock: ``plan`` (ContextPilot's
+:func:`~contextpilot_integrations.providers.plan_cache`), ``system`` (one on the system
+prompt), ``auto`` (one on the last block) or ``none``."""
+MARKINGS: tuple[Marking, ...] = ("plan", "system", "auto", "none")
 DEFAULT_RATE = 1.0
 """Requests a second when the trace has no ``time`` stamps (one a second: a 5-minute TTL
 then spans 300 requests)."""
@@ -102,7 +105,7 @@ class _Pass:
     provider: ProviderName
     rules: CacheRules
     contextpilot: bool
-    baseline: Baseline
+    marking: Marking
     shape: PromptShape
     rate: float
     ttl: Ttl
@@ -159,10 +162,10 @@ class _Pass:
     def _markers(
         self, prepared: PreparedRequest, system: Sequence[BlockSpec], history: Sequence[BlockSpec], total: int
     ) -> list[int]:
-        if not self.contextpilot:
-            if self.baseline == "system":
+        if self.marking != "plan":
+            if self.marking == "system":
                 return [len(system)] if system else []
-            return [total] if self.baseline == "auto" else []
+            return [total] if self.marking == "auto" else []
         plan = plan_cache(
             prepared,
             self.provider,
@@ -229,7 +232,7 @@ def simulate_provider(
     mode: Mode = "offline",
     *,
     contextpilot: bool = True,
-    baseline: Baseline = "system",
+    markers: Marking | None = None,
     shape: PromptShape | None = None,
     history_turns: int | None = None,
     rate: float = DEFAULT_RATE,
@@ -239,17 +242,20 @@ def simulate_provider(
     """Bill ``trace`` through ``provider``'s cache model, with ContextPilot or without it.
 
     Args:
-        baseline: without ContextPilot, on explicit caches: the markers a user sends
-            (``system``, ``auto``: the last block, ``none``).
+        contextpilot: order (and in chat de-duplicate) with ContextPilot; otherwise the
+            retriever's order, every block resent.
+        markers: on explicit caches (see :data:`Marking`); default ``plan`` with
+            ContextPilot, ``system`` without.
         rate: requests a second when the trace has no ``time`` stamps.
         ttl: Anthropic and Bedrock: the cache TTL asked for (``1h`` writes cost 2x).
     """
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
-    if baseline not in BASELINES:
-        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    marking: Marking = markers or ("plan" if contextpilot else "system")
+    if marking not in MARKINGS:
+        raise ValueError(f"markers must be one of {MARKINGS}, got {markers!r}")
     rules = cache_rules(provider, model)
-    run = _Pass(trace, provider, rules, contextpilot, baseline, shape or PromptShape(), rate, ttl)
+    run = _Pass(trace, provider, rules, contextpilot, marking, shape or PromptShape(), rate, ttl)
     timed = bool(trace) and all(request.time is not None for request in trace)
     if mode == "offline":
         run.offline()
@@ -265,20 +271,20 @@ def simulate_provider(
     cost = cost_of(
         ProviderUsage(prompt, read, write, provider), rules.model, prices=prices, ttl=ttl if rules.explicit else "5m"
     )
-    label = "ContextPilot" if contextpilot else _baseline_label(rules, baseline)
+    label = _label(rules, contextpilot, marking)
     return ProviderRun(
         label, mode, provider, rules.model, len(run.served), prompt, read, write, cost, run.markers, run.skipped
     )
 
 
-def _baseline_label(rules: CacheRules, baseline: Baseline) -> str:
+def _label(rules: CacheRules, contextpilot: bool, marking: Marking) -> str:
+    order = "ContextPilot" if contextpilot else "retrieval order"
     if not rules.explicit:
-        return "retrieval order"
-    return {
-        "system": "retrieval order, system marker",
-        "auto": "retrieval order, marker on last block",
-        "none": "retrieval order, no marker",
-    }[baseline]
+        return order
+    if contextpilot and marking == "plan":
+        return order
+    text = {"plan": "planned markers", "system": "system marker", "auto": "marker on last block", "none": "no marker"}
+    return f"{order}, {text[marking]}"
 
 
 def provider_runs(
@@ -296,18 +302,18 @@ def provider_runs(
 ) -> list[ProviderRun]:
     """Every mode without ContextPilot (each baseline that applies), then with it."""
     rules = cache_rules(provider, model)
-    baselines: tuple[Baseline, ...] = ("system", "auto") if rules.explicit else ("none",)
+    baselines: tuple[Marking, ...] = ("system", "auto") if rules.explicit else ("none",)
     runs = []
     for mode in modes:
         trace = chat if mode == "chat" else single
-        for contextpilot, baseline in [*((False, b) for b in baselines), (True, baselines[0])]:
+        for contextpilot, marking in [*((False, b) for b in baselines), (True, "plan")]:
             run = simulate_provider(
                 trace,
                 provider,
                 model,
                 mode,
                 contextpilot=contextpilot,
-                baseline=baseline,
+                markers=marking,
                 shape=shape,
                 history_turns=history_turns,
                 rate=rate,
@@ -348,11 +354,11 @@ def provider_table(
     ]
     for mode in dict.fromkeys(run.mode for run in runs):
         group = [run for run in runs if run.mode == mode]
-        baselines = [run for run in group if run.label != "ContextPilot"]
+        baselines = [run for run in group if not run.label.startswith("ContextPilot")]
         reference = min((run.cost for run in baselines), default=None)
         for run in group:
             saved = ""
-            if run.label == "ContextPilot" and reference:
+            if run.label.startswith("ContextPilot") and reference:
                 saved = f"{1 - run.cost / reference:.1%}"
             lines.append(
                 f"{mode:<8} {run.label:<38} {run.prompt_tokens / 1e6:>11.2f} {run.read_ratio:>6.1%} "

@@ -107,7 +107,7 @@ def test_chat_costs_less_with_contextpilot() -> None:
         for c in range(4) for t in range(4)
     ]  # fmt: skip
     ours = simulate_provider(trace, "anthropic", mode="chat")
-    theirs = simulate_provider(trace, "anthropic", mode="chat", contextpilot=False, baseline="auto")
+    theirs = simulate_provider(trace, "anthropic", mode="chat", contextpilot=False, markers="auto")
     assert ours.cost < theirs.cost and ours.prompt_tokens < theirs.prompt_tokens
 
 
