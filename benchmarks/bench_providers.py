@@ -34,7 +34,7 @@ from contextpilot_integrations.whatif.replay import Mode, reuse_bound_of_prompts
 MODELS = {
     "anthropic": ["claude-sonnet-4-5"],
     "bedrock": ["anthropic.claude-sonnet-4-5", "amazon.nova-pro-v1:0"],
-    "openai": ["gpt-5"],
+    "openai": ["gpt-5", "gpt-5.6-terra"],
     "gemini": ["gemini-2.5-flash"],
 }
 HISTORY_TURNS = 4
@@ -59,7 +59,7 @@ def main() -> None:
     bound = reuse_bound_of_prompts(single, shape)
     print(f"MultiHop-RAG sample: {len(single):,} queries; chat: {len(chat):,} turns in conversations, "
           f"{HISTORY_TURNS} earlier turns kept; {args.rate:g} request/s; prices as of {PRICES_AS_OF}")  # fmt: skip
-    print(f"{'provider / model':<34} {'mode':<8} {'run':<46} {'Mtok':>7} {'read':>6} {'written':>7} "
+    print(f"{'provider / model':<34} {'mode':<8} {'run':<50} {'Mtok':>7} {'read':>6} {'written':>7} "
           f"{'cost $':>8} {'vs retrieval':>12}")  # fmt: skip
     started = time.perf_counter()
     for name in args.providers.split(","):
@@ -68,8 +68,9 @@ def main() -> None:
             rules = cache_rules(provider, model)
             workloads: list[tuple[Mode, list[TraceRequest]]] = [("offline", single), ("online", single), ("chat", chat)]
             for mode, trace in workloads:
-                passes: list[tuple[bool, Marking]] = [(False, "system"), (False, "auto")] if rules.explicit else []
-                passes += [(True, "system")] if rules.explicit else [(False, "none")]
+                marked = rules.explicit and not rules.implicit_breakpoint  # a user places the markers
+                passes: list[tuple[bool, Marking]] = [(False, "system"), (False, "auto")] if marked else []
+                passes += [(True, "system")] if marked else [(False, "none")]
                 passes.append((True, "plan"))
                 runs: list[ProviderRun] = [
                     simulate_provider(
@@ -106,7 +107,7 @@ def main() -> None:
 def _row(provider: str, model: str, mode: str, label: str, prompt: int, read: int, write: int, cost: float,
          reference: float) -> None:  # fmt: skip
     saved = f"{1 - cost / reference:+.1%}" if reference else ""
-    print(f"{provider + ' / ' + model:<34} {mode:<8} {label:<46} {prompt / 1e6:>7.2f} {read / prompt:>6.1%} "
+    print(f"{provider + ' / ' + model:<34} {mode:<8} {label:<50} {prompt / 1e6:>7.2f} {read / prompt:>6.1%} "
           f"{write / prompt:>7.1%} {cost:>8.2f} {saved:>12}")  # fmt: skip
 
 

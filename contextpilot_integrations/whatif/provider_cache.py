@@ -10,7 +10,10 @@ their last use. The rules follow :mod:`contextpilot_integrations.providers.rules
   the longest live entry at a unit boundary at most ``lookback`` units before one of its
   markers (Anthropic: 20 content blocks) and refreshes it; it is billed as written for
   the tokens from there to its last qualifying marker (each token once, however many
-  markers), and as uncached for the rest.
+  markers), and as uncached for the rest. OpenAI's GPT-5.6+ explicit breakpoints work the
+  same with no look-back (exact matches); its own managed breakpoint at the end of the
+  prompt (``managed``) finds the longest live entry anywhere along the prompt, as its
+  implicit caching always has.
 - :class:`AutoCache` (OpenAI, Gemini): every prompt of at least the minimum length is
   cached at every unit boundary; a request reads the longest live prefix it shares with
   any earlier prompt, at least the minimum, in multiples of ``granularity`` beyond it
@@ -81,8 +84,11 @@ class MarkerCache:
         self.min_tokens, self.ttl, self.lookback, self.max_markers = min_tokens, ttl, lookback, max_markers
         self.entries = _Entries()
 
-    def serve(self, units: Sequence[Unit], markers: Sequence[int], now: float) -> Served:
-        """``markers``: unit counts (a marker right after the first k units), at most 4."""
+    def serve(self, units: Sequence[Unit], markers: Sequence[int], now: float, managed: bool = False) -> Served:
+        """``markers``: unit counts (a marker right after the first k units), at most 4;
+        ``managed``: the provider adds its own at the end (one of the 4), which looks back
+        along the whole prompt."""
+        markers = [*markers, len(units)] if managed and len(units) not in markers else list(markers)
         if len(markers) > self.max_markers:
             raise ValueError(f"{len(markers)} markers, the provider takes at most {self.max_markers}")
         if any(not 0 <= marker <= len(units) for marker in markers):
@@ -92,7 +98,8 @@ class MarkerCache:
         keys = _prefix_keys(units)
         read = 0
         for marker in markers:
-            for k in range(marker, max(0, marker - self.lookback) - 1, -1):
+            reach = marker if managed and marker == len(units) else self.lookback
+            for k in range(marker, max(0, marker - reach) - 1, -1):
                 if k <= read:
                     break
                 if ends[k] >= self.min_tokens and self.entries.live(keys[k], now):

@@ -121,9 +121,10 @@ class _Pass:
         strategy = "trie" if self.contextpilot else "retrieval"
         self.pilot = ContextPilot(strategy, annotate_order=self.contextpilot, max_live_requests=max(len(self.trace), 1))
         rules = self.rules
-        ttl = TTL_SECONDS[self.ttl] if rules.explicit else rules.ttl_seconds
+        ttl = TTL_SECONDS[self.ttl] if rules.explicit and not rules.implicit_breakpoint else rules.ttl_seconds
         if rules.explicit:
-            self.cache = MarkerCache(rules.min_tokens, ttl, rules.lookback_blocks, rules.max_breakpoints)
+            markers = rules.max_breakpoints + rules.implicit_breakpoint
+            self.cache = MarkerCache(rules.min_tokens, ttl, rules.lookback_blocks, markers)
         else:
             self.cache = AutoCache(rules.min_tokens, ttl, rules.granularity)
 
@@ -139,9 +140,9 @@ class _Pass:
         units = [*system, *history, *own]
         before = len(system) + len(history)
         if isinstance(self.cache, MarkerCache):
-            markers = self._markers(prepared, system, history, len(units))
+            markers, managed = self._markers(prepared, system, history, len(units))
             self.markers += len(markers)
-            served = self.cache.serve(units, markers, now)
+            served = self.cache.serve(units, markers, now, managed=managed)
         else:
             if self.contextpilot:
                 plan = plan_cache(prepared, self.provider, self.rules.model, rules=self.rules)
@@ -161,11 +162,13 @@ class _Pass:
 
     def _markers(
         self, prepared: PreparedRequest, system: Sequence[BlockSpec], history: Sequence[BlockSpec], total: int
-    ) -> list[int]:
+    ) -> tuple[list[int], bool]:
+        """The markers to send, and whether the provider adds its managed one."""
+        managed = self.rules.implicit_breakpoint
         if self.marking != "plan":
             if self.marking == "system":
-                return [len(system)] if system else []
-            return [total] if self.marking == "auto" else []
+                return ([len(system)] if system else []), managed
+            return ([total] if self.marking == "auto" else []), managed
         plan = plan_cache(
             prepared,
             self.provider,
@@ -183,7 +186,7 @@ class _Pass:
             markers.append(start)
         if plan.mark_prefix:
             markers.append(len(system))
-        return sorted(markers)
+        return sorted(markers), managed and not plan.explicit_only
 
     def offline(self) -> None:
         batch = [
@@ -279,9 +282,9 @@ def simulate_provider(
 
 def _label(rules: CacheRules, contextpilot: bool, marking: Marking) -> str:
     order = "ContextPilot" if contextpilot else "retrieval order"
-    if not rules.explicit:
+    if not rules.explicit or (contextpilot and marking == "plan"):
         return order
-    if contextpilot and marking == "plan":
+    if rules.implicit_breakpoint and marking == "none":
         return order
     text = {"plan": "planned markers", "system": "system marker", "auto": "marker on last block", "none": "no marker"}
     return f"{order}, {text[marking]}"
@@ -303,6 +306,8 @@ def provider_runs(
     """Every mode without ContextPilot (each baseline that applies), then with it."""
     rules = cache_rules(provider, model)
     baselines: tuple[Marking, ...] = ("system", "auto") if rules.explicit else ("none",)
+    if rules.implicit_breakpoint:
+        baselines = ("none",)
     runs = []
     for mode in modes:
         trace = chat if mode == "chat" else single
@@ -339,8 +344,15 @@ def provider_table(
     first = runs[0]
     rules = cache_rules(first.provider, first.model)
     price = (prices or DEFAULT_PRICES).price(first.provider, first.model)
-    write_price = price.cache_write_1h if ttl == "1h" and price.cache_write_1h is not None else price.cache_write
-    if rules.explicit:
+    write_price = price.cache_write
+    if ttl == "1h" and rules.explicit and not rules.implicit_breakpoint and price.cache_write_1h is not None:
+        write_price = price.cache_write_1h
+    if rules.implicit_breakpoint:
+        how = (
+            f"explicit breakpoints: at most {rules.max_breakpoints} (matched exactly) and one managed near the "
+            f"last message, TTL ~{rules.ttl_seconds / 60:.0f} min (assumed)"
+        )
+    elif rules.explicit:
         ttl_text = "1 h" if ttl == "1h" else "5 min"
         how = f"markers: at most {rules.max_breakpoints}, look-back {rules.lookback_blocks} blocks, TTL {ttl_text}"
     else:

@@ -181,3 +181,17 @@ def test_bad_arguments_raise() -> None:
         plan_cache(prepared, "anthropic", prefix_tokens=-1)
     with pytest.raises(TypeError, match="shared_depths"):
         plan_cache(prepared, "anthropic", shared_depths=[1.5])  # type: ignore[list-item]
+
+
+def test_openai_gpt_5_6_takes_explicit_breakpoints_and_a_key() -> None:
+    pilot = ContextPilot()
+    pilot.prepare(_blocks(["a", "b", "c", "d"]), "q1")
+    second = pilot.prepare(_blocks(["a", "b", "c", "x"]), "q2")
+    plan = plan_cache(second, "openai", "gpt-5.6-terra")
+    assert 2 in plan.block_breakpoints and plan.prompt_cache_key is not None
+    assert plan.explicit_only and plan.markers <= 4  # no managed breakpoint: all 4 writes are ours
+    chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
+    in_chat = plan_cache(chat, "openai", "gpt-5.6-terra", history_tokens=2000)
+    assert not in_chat.explicit_only and in_chat.markers <= 3  # the managed one takes the 4th write
+    older = plan_cache(second, "openai", "gpt-5")
+    assert older.block_breakpoints == () and not older.explicit_only

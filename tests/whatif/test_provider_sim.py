@@ -134,3 +134,20 @@ def test_simulate_provider_cli_rejects_bad_options(tmp_path: Path) -> None:
     for bad in (["--provider", "azure"], ["--provider", "openai", "--rate", "0"], ["--cache-ttl", "2h"]):
         with pytest.raises(SystemExit):
             main(["simulate", "--trace", str(path), *bad])
+
+
+def test_a_managed_breakpoint_finds_entries_anywhere_along_the_prompt() -> None:
+    blocks = _units(*(f"b{i}" for i in range(40)), tokens=100)
+    cache = MarkerCache(min_tokens=1024, ttl=1800, lookback=0, max_markers=4)
+    cache.serve([*blocks[:11], ("q", 100)], [11], now=0)
+    assert cache.serve(blocks, [12], now=1).read_tokens == 0  # explicit: exact matches only (writes 12)
+    other = [*blocks[:20], ("x", 100), *blocks[21:]]  # shares 20 blocks: the entries at 11 and 12
+    assert cache.serve(other, [], now=2, managed=True).read_tokens == 1200  # managed: looks along it all
+
+
+def test_gpt_5_6_writes_cost_more_and_explicit_breakpoints_pay() -> None:
+    trace = _trace()
+    runs = {r.label: r for r in provider_runs(trace, trace, "openai", "gpt-5.6-terra", ["offline"])}
+    assert set(runs) == {"retrieval order", "ContextPilot"}
+    assert runs["retrieval order"].write_ratio == 1.0  # the managed breakpoint writes every prompt
+    assert runs["ContextPilot"].cost < runs["retrieval order"].cost
