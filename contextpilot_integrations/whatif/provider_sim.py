@@ -130,7 +130,7 @@ class _Pass:
         strategy = "trie" if self.contextpilot else "retrieval"
         self.pilot = ContextPilot(strategy, annotate_order=self.contextpilot, max_live_requests=max(len(self.trace), 1))
         rules = self.rules
-        ttl = TTL_SECONDS[self.ttl] if rules.explicit and not rules.implicit_breakpoint else rules.ttl_seconds
+        ttl = TTL_SECONDS[self.ttl] if _ttl_priced(rules) else rules.ttl_seconds
         self.ttl_seconds = ttl
         if rules.explicit:
             markers = rules.max_breakpoints + rules.implicit_breakpoint
@@ -282,13 +282,17 @@ def simulate_provider(
     prompt = sum(s.prompt_tokens for s in run.served)
     read = sum(s.read_tokens for s in run.served)
     write = sum(s.write_tokens for s in run.served)
-    cost = cost_of(
-        ProviderUsage(prompt, read, write, provider), rules.model, prices=prices, ttl=ttl if rules.explicit else "5m"
-    )
+    usage = ProviderUsage(prompt, read, write, provider)
+    cost = cost_of(usage, rules.model, prices=prices, ttl=ttl if _ttl_priced(rules) else "5m")
     label = _label(rules, contextpilot, marking)
     return ProviderRun(
         label, mode, provider, rules.model, len(run.served), prompt, read, write, cost, run.markers, run.skipped
     )
+
+
+def _ttl_priced(rules: CacheRules) -> bool:
+    """Whether the provider prices writes by the TTL asked for (Anthropic, Bedrock)."""
+    return rules.explicit and not rules.implicit_breakpoint
 
 
 def _label(rules: CacheRules, contextpilot: bool, marking: Marking) -> str:
@@ -314,8 +318,14 @@ def provider_runs(
     prices: PriceTable | None = None,
     ttl: Ttl = "5m",
 ) -> list[ProviderRun]:
-    """Every mode without ContextPilot (each baseline that applies), then with it."""
+    """Every mode without ContextPilot (each baseline that applies), then with it.
+
+    Raises:
+        KeyError, ValueError: no price for the model (or for its 1-hour writes), before
+            any pass runs.
+    """
     rules = cache_rules(provider, model)
+    cost_of(ProviderUsage(1, 0, 1, provider), rules.model, prices=prices, ttl=ttl if _ttl_priced(rules) else "5m")
     baselines: tuple[Marking, ...] = ("system", "auto") if rules.explicit else ("none",)
     if rules.implicit_breakpoint:
         baselines = ("none",)
@@ -431,9 +441,14 @@ def provider_whatif(
     modes: Sequence[Mode],
     shape: PromptShape,
 ) -> tuple[list[str], dict[str, object]]:
-    """The provider table and its JSON for the CLI (``args.provider``, or the demo's)."""
+    """The provider table and its JSON for the CLI (``args.provider``, or the demo's).
+
+    Raises:
+        KeyError: no price for the model; ValueError: no 1-hour write price.
+    """
     provider: ProviderName = args.provider or DEMO_PROVIDER
-    model = None if args.model in (None, "default") else args.model
+    # --model names the provider's model only with --provider (else it is the --engine server's)
+    model = args.model if args.provider and args.model not in (None, "default") else None
     runs = provider_runs(
         single, chat, provider, model, modes, shape=shape, history_turns=args.history_turns, rate=args.rate,
         ttl=args.cache_ttl,
