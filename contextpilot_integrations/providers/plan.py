@@ -35,8 +35,8 @@ managed breakpoint takes the fourth write) and no look-back: an entry is matched
 exactly. Outside a conversation the plan asks for explicit mode (``explicit_only``: no
 managed breakpoint, which would write the whole prompt, question included, at 1.25x)
 and takes all 4 markers: on the bundled MultiHop-RAG sample that cut the simulated
-GPT-5.6 cost by 12% offline and 13% online; in chat the managed breakpoint stays (the
-next turn finds the previous prompt through it: without it reads fell from 29% to 0%).
+GPT-5.6 cost by 11% offline and 14% online; in chat the managed breakpoint stays (the
+next turn finds the previous prompt through it: without it reads fell from 30% to 0.4%).
 Gemini caches implicitly: ordering is all.
 """
 
