@@ -16,7 +16,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -29,7 +29,9 @@ from .errors import BlockTypeError, DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
-from .usage import check_usage
+from .providers.plan import CachePlan
+from .providers.usage import ProviderTotals, ProviderUsage
+from .usage import check_token_count, check_usage
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -60,6 +62,14 @@ class PilotStats(BaseModel):
     references_restored: int = 0
     """Location references sent as full text after all, because the messages that left for
     the engine did not carry the text they pointed to (see :meth:`ContextPilot.note_restored`)."""
+    engine_cache_write_tokens: int = 0
+    """Prompt tokens a hosted API reported writing to its cache (part of the prompt tokens)."""
+    provider_usage: dict[str, ProviderTotals] = {}
+    """Hosted APIs' usage by provider (see :meth:`ContextPilot.record_provider_usage`)."""
+    cache_markers_placed: int = 0
+    """Cache markers planned for hosted APIs (see :meth:`ContextPilot.note_cache_plan`)."""
+    cache_plans_skipped: dict[str, int] = {}
+    """Requests planned without a marker, by reason (e.g. below the model's minimum)."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -101,6 +111,14 @@ class _Counters:
     engine_cached_tokens: int = 0
     feedback_shortened: int = 0
     references_restored: int = 0
+    cache_write_tokens: int = 0
+    provider_usage: dict[str, ProviderTotals] = field(default_factory=dict)
+    cache_markers: int = 0
+    plans_skipped: dict[str, int] = field(default_factory=dict)
+
+
+_MAX_SKIP_REASONS = 64
+"""Distinct reasons counted in ``PilotStats.cache_plans_skipped``; further ones count as "other"."""
 
 
 class ContextPilot:
@@ -427,16 +445,29 @@ class ContextPilot:
             self._trie.clear()
             self._strategy.reset()
 
-    def record_usage(self, prepared: PreparedRequest, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    def record_usage(
+        self,
+        prepared: PreparedRequest,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        *,
+        cache_write_tokens: int | None = None,
+    ) -> None:
         """Add the engine's own token accounting for a served request to the statistics.
+
+        Args:
+            cache_write_tokens: prompt tokens a hosted API wrote to its cache.
 
         Raises:
             TypeError, ValueError: a count is not an int in 0..MAX_TOKENS, or the cached
                 tokens exceed the prompt tokens (nothing is recorded).
         """
         check_usage(prompt_tokens, cached_tokens)
+        if cache_write_tokens is not None:
+            check_token_count("cache_write_tokens", cache_write_tokens)
         with self._lock:
             counters = self._counters
+            counters.cache_write_tokens += cache_write_tokens or 0
             counters.engine_requests += 1
             counters.engine_prompt_tokens += prompt_tokens or 0
             counters.engine_cached_tokens += cached_tokens or 0
@@ -448,6 +479,42 @@ class ContextPilot:
                 usage[2] += cached_tokens or 0
                 while len(self._usage) > self._conversations.max_conversations:
                     self._usage.popitem(last=False)
+
+    def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
+        """Add a hosted API's usage (see :func:`~.providers.read_provider_usage`): prompt
+        tokens and cache reads as :meth:`record_usage` does, cache writes, and both by
+        provider (a usage without a provider counts under ``"unknown"``)."""
+        if not isinstance(usage, ProviderUsage):
+            raise TypeError(f"usage must be a ProviderUsage, got {type(usage).__name__}")
+        with self._lock:
+            self.record_usage(
+                prepared, usage.prompt_tokens, usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens
+            )
+            totals = self._counters.provider_usage
+            name = usage.provider or "unknown"
+            totals[name] = totals.get(name, ProviderTotals()).add(usage)
+
+    def note_cache_plan(self, plan: CachePlan) -> None:
+        """Count a request's planned cache markers, or why it got none."""
+        if not isinstance(plan, CachePlan):
+            raise TypeError(f"plan must be a CachePlan, got {type(plan).__name__}")
+        with self._lock:
+            counters = self._counters
+            counters.cache_markers += plan.markers
+            if plan.skipped is not None:
+                reasons = counters.plans_skipped
+                reason = plan.skipped if plan.skipped in reasons or len(reasons) < _MAX_SKIP_REASONS else "other"
+                reasons[reason] = reasons.get(reason, 0) + 1
+
+    def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Prefix lengths (in blocks) of this request's send order that the index says other
+        live requests share (where each one's shared part ends): where a hosted API's cache
+        marker pays off. A request the index does not hold (a later chat turn): its
+        predicted cached blocks, if any."""
+        with self._lock:
+            if prepared.request_id in self._live:
+                return tuple(self._trie.shared_depths([block.id for block in prepared.blocks]))
+        return (prepared.cached_blocks,) if prepared.cached_blocks else ()
 
     def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
         """A request prepared elsewhere (another engine's pilot) is sent to this pilot's
@@ -603,6 +670,10 @@ class ContextPilot:
                 engine_cached_tokens=c.engine_cached_tokens,
                 feedback_shortened=c.feedback_shortened,
                 references_restored=c.references_restored,
+                engine_cache_write_tokens=c.cache_write_tokens,
+                provider_usage=dict(c.provider_usage),
+                cache_markers_placed=c.cache_markers,
+                cache_plans_skipped=dict(c.plans_skipped),
             )
 
     def check(self) -> None:

@@ -179,6 +179,26 @@ class PrefixTrie(Generic[K]):
             self.insert(request_id, order[:keep])
         return True
 
+    def shared_depths(self, order: Sequence[K]) -> list[int]:
+        """Prefix lengths of a live request's ``order`` where another live request's shared
+        part ends: the depths (in blocks) after which fewer live requests go on along it."""
+        depths: list[int] = []
+        node = self.root
+        for depth, key in enumerate(order):
+            child = node.children.get(key)
+            if child is None:
+                break
+            if depth and child.count < node.count and node.count >= 2:
+                depths.append(depth)
+            node = child
+        else:
+            if order and node.count >= 2:
+                depths.append(len(order))
+            return depths
+        if node is not self.root and node.count >= 2:
+            depths.append(depth)
+        return depths
+
     def sharing_below(self, order: Sequence[K], depth: int) -> list[str]:
         """Live requests whose path runs through the node at ``depth + 1`` along ``order``
         (they share its first ``depth + 1`` blocks)."""
