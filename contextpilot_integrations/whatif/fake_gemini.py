@@ -4,9 +4,10 @@
 ``:streamGenerateContent?alt=sse``) for the real ``google-genai`` client, so for
 ``langchain-google-genai``'s ``ChatGoogleGenerativeAI`` pointed at it with ``base_url``.
 It writes no model output worth reading; what it models is Gemini's implicit cache, simply:
-a request whose leading parts (system instruction, then contents, in order) repeat an
-earlier request's reads them from the cache, when that prefix is at least ``min_tokens``
-(Gemini 2.5 Flash: 1,024) long; hits go to ``usageMetadata.cachedContentTokenCount``.
+a request whose prompt (tools, system instruction, then contents, in order) starts like an
+earlier request's reads that prefix from the cache (found in steps of ``granularity``
+tokens), when the prefix is at least ``min_tokens`` long (Gemini 2.5 Flash and Pro: 2,048
+in the docs read 2026-11); hits go to ``usageMetadata.cachedContentTokenCount``.
 There are no markers: order is all that helps. Four characters count as one token. With
 ``call_tools`` on, a request that offers function declarations and ends with the user's
 text gets a ``functionCall`` of the first one. Every request body is recorded, with its
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, prefix_keys, serve
+from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, stepped_prefix_keys
 
 __all__ = ["FakeGemini", "fake_gemini"]
 
@@ -33,31 +34,23 @@ class FakeGemini:
     """A running fake of the Gemini API (see the module docstring)."""
 
     url: str = ""
-    min_tokens: int = 1024
+    min_tokens: int = 2048
+    granularity: int = 32
+    """Cached prefixes are found in steps of this many tokens (a simplification)."""
     call_tools: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
     _cache: PrefixCache = field(default_factory=PrefixCache)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def usage(self, body: dict[str, Any], model: str) -> dict[str, Any]:
-        pieces = _flatten(body)
-        keys = prefix_keys(pieces, model)
-        sizes, total = [], 0
-        for piece in pieces:
-            total += len(piece)
-            sizes.append(total // CHARS_PER_TOKEN)
-        cached = next(
-            (
-                size
-                for size, key in zip(reversed(sizes), reversed(keys), strict=True)
-                if size >= self.min_tokens and self._cache.holds(key)
-            ),
-            0,
-        )
-        for size, key in zip(sizes, keys, strict=True):
-            if size >= self.min_tokens:
-                self._cache.add(key)
-        prompt = total // CHARS_PER_TOKEN
+        text = "".join(piece + "\n" for piece in _flatten(body))
+        boundaries = [
+            (size, key) for size, key in stepped_prefix_keys(text, self.granularity, model) if size >= self.min_tokens
+        ]
+        cached = next((size for size, key in reversed(boundaries) if self._cache.holds(key)), 0)
+        for _, key in boundaries:
+            self._cache.add(key)
+        prompt = len(text) // CHARS_PER_TOKEN
         usage = {"promptTokenCount": prompt, "candidatesTokenCount": 1, "totalTokenCount": prompt + 1}
         return {**usage, "cachedContentTokenCount": cached} if cached else usage
 

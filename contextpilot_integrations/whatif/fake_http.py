@@ -26,6 +26,7 @@ __all__ = [
     "breakpoint_usage",
     "prefix_keys",
     "serve",
+    "stepped_prefix_keys",
     "tokens",
 ]
 
@@ -95,6 +96,17 @@ def prefix_keys(pieces: Sequence[str], scope: str = "") -> list[bytes]:
     for piece in pieces:
         running.update(hashlib.sha256(piece.encode()).digest())
         keys.append(running.copy().digest())
+    return keys
+
+
+def stepped_prefix_keys(text: str, step_tokens: int, scope: str = "") -> list[tuple[int, bytes]]:
+    """(tokens, key) of every prefix of ``text`` that is a whole number of ``step_tokens``."""
+    step = step_tokens * CHARS_PER_TOKEN
+    running = hashlib.sha256(scope.encode())
+    keys = []
+    for end in range(step, len(text) + 1, step):
+        running.update(text[end - step : end].encode())
+        keys.append((end // CHARS_PER_TOKEN, running.copy().digest()))
     return keys
 
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, tokens
+from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, stepped_prefix_keys, tokens
 
 __all__ = ["FakeOpenAI", "fake_openai", "prompt_text"]
 
@@ -60,13 +60,11 @@ class FakeOpenAI:
             body.get("prompt_cache_key")
             or "route:" + hashlib.sha256(text[: ROUTING_TOKENS * CHARS_PER_TOKEN].encode()).hexdigest()
         )
-        step = self.granularity * CHARS_PER_TOKEN
-        boundaries: list[tuple[int, bytes]] = []
-        running = hashlib.sha256(str(scope).encode())
-        for end in range(step, len(text) + 1, step):
-            running.update(text[end - step : end].encode())
-            if end // CHARS_PER_TOKEN >= self.min_tokens:
-                boundaries.append((end // CHARS_PER_TOKEN, running.copy().digest()))
+        boundaries = [
+            (size, key)
+            for size, key in stepped_prefix_keys(text, self.granularity, str(scope))
+            if size >= self.min_tokens
+        ]
         cached = next((size for size, key in reversed(boundaries) if self._cache.holds(key)), 0)
         for _, key in boundaries:
             self._cache.add(key)

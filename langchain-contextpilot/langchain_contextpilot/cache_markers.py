@@ -73,7 +73,7 @@ class MarkedCall:
 
     messages: list[BaseMessage]
     kwargs: dict[str, Any]
-    plan: CachePlan | None
+    plan: CachePlan
     placed: int
     """Markers written (block markers and the history marker)."""
 
@@ -223,4 +223,3 @@ def _mark_end(message: BaseMessage, provider: str) -> BaseMessage | None:
     if last.get("cache_control"):
         return None
     return message.model_copy(update={"content": [*parts[:-1], *_marked(dict(last), provider)]})
-

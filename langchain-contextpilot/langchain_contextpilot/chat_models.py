@@ -26,7 +26,6 @@ from pydantic import Field, model_validator
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.errors import EngineError
-
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import _binding, _model_calls, cache_markers
@@ -212,7 +211,9 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     @model_validator(mode="after")
     def _engine_needs_a_body(self) -> ContextPilotChatModel:
         if self.provider not in (None, "auto", *cache_markers.PROVIDERS):
-            raise ValueError(f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {self.provider!r}")
+            raise ValueError(
+                f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {self.provider!r}"
+            )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "extra_body"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
         if self.engine is not None and self.engine not in wire.REQUEST_ID_FIELDS:

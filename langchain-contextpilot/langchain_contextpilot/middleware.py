@@ -49,7 +49,7 @@ REQUEST_KEY = "contextpilot_request"
 MAX_PENDING = 1_000
 
 
-class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
+class ContextPilotMiddleware(AgentMiddleware):
     """ContextPilot's order, de-duplication and cache markers for a ``create_agent`` agent."""
 
     def __init__(
@@ -57,7 +57,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         pilot: Any = None,
         *,
         provider: str | None = "auto",
-        tools: Sequence[str] | None = None,
+        document_tools: Sequence[str] | None = None,
         usage_feedback: bool = True,
     ) -> None:
         """
@@ -66,7 +66,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
             provider: the hosted API whose cache to mark (``openai``, ``anthropic``,
                 ``bedrock``, ``gemini``); ``"auto"``: from the agent's model class; ``None``:
                 order and de-duplicate only.
-            tools: names of the tools whose documents to handle (default: every tool that
+            document_tools: names of the tools whose documents to handle (default: every tool that
                 returns documents as its artifact).
         """
         super().__init__()
@@ -74,7 +74,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
             raise ValueError(f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {provider!r}")
         self.pilot = pilot if pilot is not None else ContextPilot()
         self.provider = provider
-        self.tools = frozenset(tools) if tools is not None else None
+        self.document_tools = frozenset(document_tools) if document_tools is not None else None
         self.usage_feedback = usage_feedback
         self._pending: OrderedDict[str, Binding] = OrderedDict()  # request id -> prepared, until its model call
         self._lock = threading.Lock()
@@ -83,7 +83,8 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
     def _documents(self, request: ToolCallRequest, result: Any) -> list[Document] | None:
         if not isinstance(result, ToolMessage) or result.status == "error":
             return None
-        if self.tools is not None and result.name not in self.tools and request.tool_call.get("name") not in self.tools:
+        names = self.document_tools
+        if names is not None and result.name not in names and request.tool_call.get("name") not in names:
             return None
         artifact = result.artifact
         if isinstance(artifact, list) and artifact and all(isinstance(item, Document) for item in artifact):
@@ -111,7 +112,9 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         extra = {**result.additional_kwargs, REQUEST_KEY: prepared.request_id}
         if prepared.turn is not None:
             extra[TURN_KEY] = prepared.turn
-        return result.model_copy(update={"content": prepared.render(include_question=False), "additional_kwargs": extra})
+        return result.model_copy(
+            update={"content": prepared.render(include_question=False), "additional_kwargs": extra}
+        )
 
     def wrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]]

@@ -103,10 +103,10 @@ def test_gemini_implicit_cache_through_google_genai() -> None:
         client = genai.Client(api_key="fake", http_options=genai_types.HttpOptions(base_url=fake.url))
 
         def cached(question: str) -> int:
-            answer = client.models.generate_content(model="gemini-fake", contents=[LONG, question])
+            answer = client.models.generate_content(model="gemini-fake", contents=[LONG, LONG, question])
             assert answer.usage_metadata is not None
             return answer.usage_metadata.cached_content_token_count or 0
 
         assert cached("q1") == 0
-        assert cached("q2") >= 1024
+        assert cached("q2") >= 2048
         assert fake.requests[0]["model"] == "gemini-fake"

@@ -29,7 +29,6 @@ from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
-
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import _llm_calls, cache_points
@@ -124,7 +123,9 @@ class ContextPilotLLM(_Reports, LLM):
         if not isinstance(self.llm, LLM):
             raise TypeError(f"llm must be a LlamaIndex LLM, got {type(self.llm).__name__}")
         if self.provider not in (None, "auto", *cache_points.PROVIDERS):
-            raise ValueError(f"provider must be one of {[*cache_points.PROVIDERS, 'auto']} or None, got {self.provider!r}")
+            raise ValueError(
+                f"provider must be one of {[*cache_points.PROVIDERS, 'auto']} or None, got {self.provider!r}"
+            )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "additional_kwargs"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
         span_binder()
