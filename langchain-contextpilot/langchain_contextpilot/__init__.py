@@ -32,7 +32,6 @@ from .formatting import format_documents, format_documents_runnable
 from .retrievers import ContextPilotRetriever
 
 
-
 def __getattr__(name: str) -> object:
     if name == "ContextPilotMiddleware":  # imports langchain (agents), an optional dependency
         from .middleware import ContextPilotMiddleware

@@ -26,7 +26,9 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
+from contextpilot_integrations.hosted_keys import leading_text_key
 from contextpilot_integrations.providers import CachePlan, plan_cache
+from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
 
 __all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of"]
 
@@ -84,9 +86,14 @@ def mark_messages(
     binding: Binding,
     messages: Sequence[BaseMessage],
     kwargs: dict[str, Any],
+    *,
+    conversation: bool = False,
 ) -> MarkedCall:
     """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``
-    (and into ``kwargs`` for OpenAI). The caller's messages are never changed."""
+    (and into ``kwargs`` for OpenAI). The caller's messages are never changed.
+
+    ``conversation``: the documents follow a conversation (an agent's tool results):
+    OpenAI's key then comes from the prompt's leading text (:mod:`~contextpilot_integrations.hosted_keys`)."""
     prepared = binding.prepared
     out = list(messages)
     existing = sum(_markers_in(message, provider) for message in out)
@@ -110,19 +117,29 @@ def mark_messages(
     )
     call_kwargs = dict(kwargs)
     if provider == "openai" and plan.prompt_cache_key and "prompt_cache_key" not in call_kwargs:
-        call_kwargs["prompt_cache_key"] = plan.prompt_cache_key
+        key = plan.prompt_cache_key
+        if conversation or binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
+            key = leading_text_key([_text_of(message) for message in out])
+        call_kwargs["prompt_cache_key"] = key
     if provider not in ("anthropic", "bedrock") or budget <= 0:
         return MarkedCall(out, call_kwargs, plan, 0)
     placed = 0
     cuts: dict[tuple[int, int], list[int]] = {}
+    ends_to_mark: list[int] = []
     for index in plan.block_breakpoints[:budget]:
         found = _find(out, needles[index], provider)
-        if found is not None:
+        if found is None:
+            continue
+        if isinstance(out[found[0][0]], ToolMessage):
+            # a tool result is not split (the API marks a tool result as a whole, and the
+            # next turn resends it unsplit from the state: the same blocks, the same prefix)
+            if found[0][0] not in ends_to_mark:
+                ends_to_mark.append(found[0][0])
+        else:
             cuts.setdefault(found[0], []).append(found[1])
     for (message_index, part_index), ends in sorted(cuts.items(), reverse=True):
         out[message_index], count = _split(out[message_index], part_index, sorted(set(ends)), provider)
         placed += count
-    ends_to_mark = []
     if plan.mark_history and history:
         ends_to_mark.append(last_human - 1)
     if plan.mark_prefix and start == 1 and (first is None or first[0][0] != 0):

@@ -160,7 +160,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         if provider is not None:
             try:
                 marked = cache_markers.mark_messages(
-                    provider, cache_markers.model_name(request.model), binding, messages, settings
+                    provider, cache_markers.model_name(request.model), binding, messages, settings, conversation=True
                 )
             except (TypeError, ValueError) as exc:
                 _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
