@@ -99,7 +99,7 @@ def mark_messages(
     existing = sum(_markers_in(message, provider) for message in out)
     budget = max(MAX_MARKERS - existing, 0)
     needles = [render_block(block, prepared.templates) for block in prepared.blocks]
-    first = _find(out, needles[0], provider) if needles else None
+    first = _locate(out, needles[0], prepared.blocks[0].text, provider) if needles else None
     last_human = max((i for i, m in enumerate(out) if isinstance(m, HumanMessage)), default=-1)
     start = 1 if out and isinstance(out[0], SystemMessage) else 0
     in_last_turn = first is not None and first[0][0] == last_human
@@ -127,7 +127,7 @@ def mark_messages(
     cuts: dict[tuple[int, int], list[int]] = {}
     ends_to_mark: list[int] = []
     for index in plan.block_breakpoints[:budget]:
-        found = _find(out, needles[index], provider)
+        found = _locate(out, needles[index], prepared.blocks[index].text, provider)
         if found is None:
             continue
         if isinstance(out[found[0][0]], ToolMessage):
@@ -184,6 +184,14 @@ def _markable(message: BaseMessage, provider: str) -> bool:
     if isinstance(message, ToolMessage):
         return provider == "anthropic"  # Bedrock takes no cache point inside a tool result
     return True
+
+
+def _locate(
+    messages: Sequence[BaseMessage], rendered: str, text: str, provider: str
+) -> tuple[tuple[int, int], int] | None:
+    """Where a block ends in the messages: its rendered text (``[label] text``), or, where a
+    prompt shows documents its own way, its own text."""
+    return _find(messages, rendered, provider) or (_find(messages, text, provider) if text else None)
 
 
 def _find(messages: Sequence[BaseMessage], needle: str, provider: str) -> tuple[tuple[int, int], int] | None:

@@ -23,7 +23,9 @@ from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessa
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
+from contextpilot_integrations.hosted_keys import leading_text_key
 from contextpilot_integrations.providers import CachePlan, plan_cache
+from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
 
 __all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
 
@@ -69,7 +71,7 @@ def mark_chat(
     needles = [render_block(block, prepared.templates) for block in prepared.blocks]
     users = [i for i, m in enumerate(out) if m.role == MessageRole.USER]
     last_user = users[-1] if users else -1
-    first = _find(out, needles[0]) if needles else None
+    first = _locate(out, needles[0], prepared.blocks[0].text) if needles else None
     start = 1 if out and out[0].role == MessageRole.SYSTEM else 0
     history = out[start:last_user] if first is not None and first[0] == last_user and last_user > start else []
     history_tokens = sum(len(_text(message)) for message in history) // CHARS_PER_TOKEN
@@ -85,12 +87,15 @@ def mark_chat(
     )
     call_kwargs = dict(kwargs)
     if provider == "openai" and plan.prompt_cache_key and "prompt_cache_key" not in call_kwargs:
-        call_kwargs["prompt_cache_key"] = plan.prompt_cache_key
+        key = plan.prompt_cache_key
+        if binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
+            key = leading_text_key([_text(message) for message in out])
+        call_kwargs["prompt_cache_key"] = key
     if provider != "anthropic" or budget <= 0:
         return MarkedChat(out, call_kwargs, plan, 0)
     cuts: dict[tuple[int, int], list[int]] = {}
     for index in plan.block_breakpoints[:budget]:
-        found = _find(out, needles[index])
+        found = _locate(out, needles[index], prepared.blocks[index].text)
         if found is not None:
             cuts.setdefault((found[0], found[1]), []).append(found[2])
     placed = 0
@@ -114,6 +119,12 @@ def _point() -> CachePoint:
 
 def _text(message: ChatMessage) -> str:
     return "".join(block.text for block in message.blocks if isinstance(block, TextBlock))
+
+
+def _locate(messages: Sequence[ChatMessage], rendered: str, text: str) -> tuple[int, int, int] | None:
+    """Where a block ends in the messages: its rendered text (``[label] text``), or, as a
+    query engine shows a node (its metadata, then its text), its own text."""
+    return _find(messages, rendered) or (_find(messages, text) if text else None)
 
 
 def _find(messages: Sequence[ChatMessage], needle: str) -> tuple[int, int, int] | None:
