@@ -11,9 +11,17 @@ entries at block boundaries up to 20 blocks before one of its own markers
 2. the end of the prefix predicted to be shared (the deepest of ``shared_depths``: by
    default ``prepared.cached_blocks``, what the index says earlier live requests sent):
    this request reads it;
-3. the end of all blocks (``write_ahead``): later requests that follow this order, and the
-   next chat turn that resends it, read it. Writes are billed once for the tokens up to
-   the last marker, so further markers cost nothing more;
+3. the end of all blocks (``write_ahead``; by default only in a conversation, whose next
+   turn resends them): the next turn reads it. Writes are billed once for the tokens up
+   to the last marker, so further markers cost nothing more. Outside a conversation a
+   write ahead costs 1.25x for tokens that are rarely read back: on the bundled
+   MultiHop-RAG sample it raised the simulated Anthropic cost by 16% offline and 13%
+   online, while in chat it saved 7% (``benchmarks/bench_providers.py``);
+   ``speculate_blocks`` past the shared prefix instead (by default 2 for a request
+   prepared online, whose followers are unknown; 0 for one planned in a batch, whose
+   followers the index already holds): the next request that shares a little more finds
+   an entry. On that sample 2 blocks cut the online cost by 6% over none (1: 5%, 3: 5%,
+   5: 2%, 15: -13%);
 4. the other shared depths (where other live requests branch off this path), deepest
    first; then, where two markers are more than the look-back (20 blocks) apart, one in
    between, so a later request that shares only part of the span still finds an entry;
@@ -23,7 +31,15 @@ entries at block boundaries up to 20 blocks before one of its own markers
 
 A marker whose prefix is below the model's minimum is left out; when none is left the
 plan says why in ``skipped``. OpenAI caches automatically: the plan carries a
-``prompt_cache_key`` (see :mod:`.cache_key`). Gemini caches implicitly: ordering is all.
+``prompt_cache_key`` (see :mod:`.cache_key`), and from GPT-5.6 on also explicit
+breakpoints (``prompt_cache_breakpoint``), planned as above with up to 3 markers (the
+managed breakpoint takes the fourth write) and no look-back: an entry is matched only
+exactly. Outside a conversation the plan asks for explicit mode (``explicit_only``: no
+managed breakpoint, which would write the whole prompt, question included, at 1.25x)
+and takes all 4 markers: on the bundled MultiHop-RAG sample that cut the simulated
+GPT-5.6 cost by 12% offline and 13% online; in chat the managed breakpoint stays (the
+next turn finds the previous prompt through it: without it reads fell from 29% to 0%).
+Gemini caches implicitly: ordering is all.
 """
 
 from __future__ import annotations
@@ -57,6 +73,9 @@ class CachePlan:
     or why caching will not happen (OpenAI, Gemini); ``None`` otherwise."""
     mark_prefix: bool = False
     """Also mark the end of the tools/system prefix (counts toward the limit of 4)."""
+    explicit_only: bool = False
+    """OpenAI GPT-5.6+: send ``prompt_cache_options={"mode": "explicit"}``, so that only
+    the planned breakpoints write to the cache (no managed breakpoint)."""
 
     @property
     def markers(self) -> int:
@@ -73,8 +92,9 @@ def plan_cache(
     history_tokens: int = 0,
     max_breakpoints: int = 4,
     shared_depths: Sequence[int] | None = None,
-    write_ahead: bool = True,
+    write_ahead: bool | None = None,
     ladder: bool = True,
+    speculate_blocks: int | None = None,
     rules: CacheRules | None = None,
 ) -> CachePlan:
     """Plan the cache markers of one prepared request for ``provider``.
@@ -87,8 +107,11 @@ def plan_cache(
         shared_depths: block counts (prefix lengths of the send order) shared with other
             requests, e.g. :meth:`ContextPilot.shared_depths`; default
             ``(prepared.cached_blocks,)``.
-        write_ahead: mark the end of the blocks too, for requests that come later.
+        write_ahead: mark the end of the blocks too, for requests that come later
+            (``None``: only in a conversation, whose next turn resends them).
         ladder: spend markers left over on the widest unmarked spans of the blocks.
+        speculate_blocks: also mark this many blocks past the shared prefix (``None``: 2
+            for a request prepared alone, 0 for one planned in a batch).
         rules: the cache rules to obey (default: :func:`cache_rules` of provider, model).
     """
     provider = check_provider(provider)
@@ -110,14 +133,22 @@ def plan_cache(
         return CachePlan(provider, (), False, key, skipped)
     depths = _shared(prepared, shared_depths, len(sizes))
     ends = [before, *(before + tokens for tokens in accumulate(sizes))]  # ends[d]: tokens of the first d blocks
-    budget = min(max_breakpoints, rules.max_breakpoints)
+    explicit_only = rules.implicit_breakpoint and prepared.conversation_id is None
+    budget = min(max_breakpoints, rules.max_breakpoints + explicit_only)
     mark_history = history_tokens > 0 and before >= rules.min_tokens and budget > 0
     budget -= mark_history
     wanted: list[int] = []
     if depths:
         wanted.append(depths[-1])
+    if write_ahead is None:
+        write_ahead = prepared.conversation_id is not None
     if write_ahead and sizes:
         wanted.append(len(sizes))
+    if speculate_blocks is None:
+        speculate_blocks = 0 if prepared.batch_index is not None else 2
+    _check_count("speculate_blocks", speculate_blocks)
+    if speculate_blocks and sizes:
+        wanted.append(min(len(sizes), (depths[-1] if depths else 0) + speculate_blocks))
     wanted.extend(reversed(depths[:-1]))
     chosen: list[int] = []
     for depth in wanted:
@@ -130,7 +161,10 @@ def plan_cache(
     skipped = None
     if not chosen and not mark_history and not mark_prefix:
         skipped = below if (wanted or before) else "nothing shared"
-    return CachePlan(provider, tuple(sorted(depth - 1 for depth in chosen)), mark_history, None, skipped, mark_prefix)
+    key = prompt_cache_key(prepared.blocks, before) if provider == "openai" else None
+    breakpoints = tuple(sorted(depth - 1 for depth in chosen))
+    explicit_only = explicit_only and bool(breakpoints)
+    return CachePlan(provider, breakpoints, mark_history, key, skipped, mark_prefix, explicit_only)
 
 
 def _shared(prepared: PreparedRequest, shared_depths: Sequence[int] | None, blocks: int) -> list[int]:

@@ -9,8 +9,10 @@ Default prices in USD per million tokens, from the providers' pricing pages as r
 - Bedrock (https://aws.amazon.com/bedrock/pricing/): Claude at Anthropic's list prices
   (global endpoints); Nova reads at 0.25x with no write surcharge.
 - OpenAI (https://developers.openai.com/api/docs/pricing): cached input 0.1x on the GPT-5
-  family, 0.25x on GPT-4.1; caching itself has no fee, so writes cost the input price
-  (set ``cache_write`` where a model bills reported ``cache_write_tokens`` higher).
+  family, 0.25x on GPT-4.1; before GPT-5.6 writes cost the input price (no fee), from
+  GPT-5.6 on 1.25x (the prompt-caching guide). The GPT-5.6 rows are as third-party price
+  trackers quote OpenAI's page (Sol $5 before its promotion, Terra $2 and Luna $0.20 after
+  the 2026-07-30 cut): check them against your invoice.
 - Gemini (https://ai.google.dev/gemini-api/docs/pricing): implicit cache hits 0.1x of
   the input price (prompts up to 200k tokens), no write charge.
 """
@@ -91,6 +93,9 @@ _DEFAULTS: dict[ProviderName, dict[str, ModelPrice]] = {
         "gpt-4-1-mini": ModelPrice(0.40, 0.10, 0.40),
         "gpt-4o": ModelPrice(2.50, 1.25, 2.50),
         "gpt-4o-mini": ModelPrice(0.15, 0.075, 0.15),
+        "gpt-5-6-sol": ModelPrice(5.0, 0.50, 6.25),
+        "gpt-5-6-terra": ModelPrice(2.0, 0.20, 2.50),
+        "gpt-5-6-luna": ModelPrice(0.20, 0.02, 0.25),
     },
     "gemini": {
         "gemini-2-5-pro": ModelPrice(1.25, 0.125, 1.25),

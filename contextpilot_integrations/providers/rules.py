@@ -20,7 +20,13 @@ Facts as published by the providers (read 2026-11-25; override with your own
   tokens, combined with ``prompt_cache_key``; hits are exact prefixes, reported in
   increments of 128 tokens (``cached_tokens``); in-memory caches are cleared after 5 to 10
   minutes of inactivity (at most one hour), ``prompt_cache_retention="24h"`` keeps them up
-  to a day.
+  to a day. From the GPT-5.6 family on, cache writes cost 1.25x the input price and are
+  reported as ``cache_write_tokens``; a content part may carry an explicit
+  ``prompt_cache_breakpoint``, matched exactly (no fall-back to a shorter prefix), and
+  implicit caching places one managed breakpoint near the latest message, without 128-token
+  rounding; a request takes up to four cache writes, one of them the managed breakpoint.
+  The TTL of those models is not stated in that guide; 30 minutes is assumed (the
+  shortest breakpoint TTL Azure OpenAI lists for them).
 - **Gemini** (https://ai.google.dev/gemini-api/docs/caching): implicit caching on Gemini
   2.5 and newer, nothing to mark (put shared content first); minimum 2,048 tokens for
   Gemini 2.5, 4,096 for Gemini 3.x; hits reported as ``cachedContentTokenCount``.
@@ -56,6 +62,9 @@ class CacheRules:
     """How long an unused entry lives (refreshed by every hit)."""
     known: bool = True
     """Whether the model was in the table (else the provider's default rules)."""
+    implicit_breakpoint: bool = False
+    """The provider also places its own marker near the latest message (OpenAI GPT-5.6+);
+    it counts toward ``max_breakpoints`` + 1 writes."""
 
 
 # (model key, minimum tokens); a key matches a model name that contains it, longest key first.
@@ -92,6 +101,8 @@ _GEMINI_MINIMUMS: dict[str, int] = {
     "gemini-3": 4096,
     "gemini-4": 4096,
 }
+_OPENAI_EXPLICIT: dict[str, int] = {"gpt-5-6": 1, "gpt-5-7": 1, "gpt-5-8": 1, "gpt-6": 1}
+"""OpenAI families with explicit breakpoints and billed writes (GPT-5.6 and later)."""
 DEFAULT_MODELS: dict[ProviderName, str] = {
     "openai": "gpt-5",
     "anthropic": "claude-sonnet-4-5",
@@ -124,6 +135,10 @@ def cache_rules(provider: ProviderName, model: str | None = None) -> CacheRules:
     provider = check_provider(provider)
     name = model or DEFAULT_MODELS[provider]
     if provider == "openai":
+        if _lookup(_OPENAI_EXPLICIT, name):
+            return CacheRules(
+                provider, name, 1024, explicit=True, max_breakpoints=3, ttl_seconds=1800.0, implicit_breakpoint=True
+            )
         return CacheRules(provider, name, 1024, explicit=False, granularity=128, ttl_seconds=300.0)
     if provider == "gemini":
         minimum = _lookup(_GEMINI_MINIMUMS, name)

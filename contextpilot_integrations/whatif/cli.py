@@ -23,6 +23,7 @@ from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
 from ..usage import MAX_TOKENS
 from .engine_compare import EngineComparison, EngineComparisonError
+from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
 from .trace import TraceError, TraceRequest, load_trace, multihop_trace, working_set_tokens
@@ -217,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--out", type=Path, default=Path("contextpilot-out"), help="where the plot goes")
         command.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
         command.add_argument("--quiet", action="store_true", help="no progress bar")
+        add_provider_options(command)
     return parser
 
 
@@ -264,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     shape = PromptShape(args.system_tokens, args.question_tokens, args.answer_tokens)
+    if args.provider:  # the hosted API's bill only
+        lines, provider_report = provider_whatif(args, workload.single, workload.chat, modes, shape)
+        print(json.dumps(provider_report, indent=2) if args.json else "\n".join(lines))
+        return 0
     notes: list[str] = []
     strategies = list(args.strategies)
     if "paper" in strategies and len(workload.single) > args.paper_limit:
@@ -339,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         if engine is not None:
             report["engine"] = engine.as_json()
+        if args.command == "demo":
+            report["provider"] = provider_whatif(args, workload.single, workload.chat, modes, shape)[1]
         print(json.dumps(report, indent=2))
         return 0
     print_table(workload.title, _header(args, workload, modes, shape), rows, notes)
@@ -348,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plot: {plot_path.resolve()}")
     if engine is not None:
         engine.print()
+    if args.command == "demo":  # one hosted API's bill (simulate --provider for others)
+        print("\n".join(["", *provider_whatif(args, workload.single, workload.chat, modes, shape)[0]]))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Retrieval traces: one JSON object a line, validated with errors that name the line.
 
 ``{"id", "blocks", "tokens"?, "texts"?, "question"?, "conversation"?, "turn"?,
-"history_turns"?, "session"?}``:
+"history_turns"?, "session"?, "time"?}``:
 
 - ``blocks``: block ids in retrieval order (strings; integers are accepted and stringified);
 - ``tokens``: each block's token count (whole numbers > 0, together at most
@@ -13,7 +13,9 @@
   order; either every line of a conversation gives ``turn`` or none does (file order);
 - ``history_turns``: earlier turns this turn's prompt keeps (at most the turns before it);
 - ``session``: a user who sends requests one after another without chat history (online
-  replays interleave sessions).
+  replays interleave sessions);
+- ``time``: when the request arrived, in seconds (any origin); the provider what-if
+  (``simulate --provider``) expires cache entries by it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class TraceRequest(BaseModel):
     turn: int | None = Field(default=None, ge=0, strict=True)
     history_turns: int | None = Field(default=None, ge=0, strict=True)
     session: str | None = Field(default=None, min_length=1)
+    time: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @field_validator("id", "conversation", "session", mode="before")
     @classmethod

@@ -27,18 +27,23 @@ def test_marker_right_after_the_predicted_shared_prefix() -> None:
     first = pilot.prepare(_blocks(["a", "b", "c", "d", "e", "f"]), "q1")
     second = pilot.prepare(_blocks(["a", "b", "c", "x", "y", "z"]), "q2")
     assert [b.id for b in second.blocks[:3]] == ["a", "b", "c"] and second.cached_blocks == 3
-    plan = plan_cache(second, "anthropic", "claude-sonnet-4-5")
-    assert 2 in plan.block_breakpoints  # right after "c", the third block
-    assert 5 in plan.block_breakpoints  # the end of the blocks, for later requests
+    plan = plan_cache(second, "anthropic", "claude-sonnet-4-5", speculate_blocks=0)
+    assert plan.block_breakpoints == (2,)  # right after "c", the third block
     assert plan.skipped is None and plan.prompt_cache_key is None
+    # prepared online, it also marks 2 blocks further, for a follower that shares more
+    assert {2, 4} <= set(plan_cache(second, "anthropic", "claude-sonnet-4-5").block_breakpoints)
+    # writing ahead marks the end of the blocks too (the default in a conversation)
+    assert 5 in plan_cache(second, "anthropic", write_ahead=True).block_breakpoints
+    chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
+    assert plan_cache(chat, "anthropic", speculate_blocks=0).block_breakpoints == (2,)
     # the index also tells the first request where the second one's shared part ends
     assert pilot.shared_depths(first) == (3,)
     assert 2 in plan_cache(first, "anthropic", shared_depths=pilot.shared_depths(first)).block_breakpoints
 
 
 def test_bedrock_plans_like_anthropic_with_its_own_minimums() -> None:
-    prepared = _prepared(["a", "b", "c", "d"], tokens=600, cached=2)
-    assert plan_cache(prepared, "bedrock", "us.anthropic.claude-sonnet-4-5-20250929-v1:0").block_breakpoints[:1] == (1,)
+    prepared = _prepared(["a", "b", "c", "d"], tokens=600, cached=4)
+    assert 3 in plan_cache(prepared, "bedrock", "us.anthropic.claude-sonnet-4-5-20250929-v1:0").block_breakpoints
     # Opus 4.7 needs 2,048 tokens on Anthropic but 4,096 on Bedrock
     assert plan_cache(prepared, "anthropic", "claude-opus-4-7").block_breakpoints
     skipped = plan_cache(prepared, "bedrock", "anthropic.claude-opus-4-7")
@@ -59,8 +64,12 @@ def test_no_marker_below_the_minimum_and_the_plan_says_why(provider: str) -> Non
 
 def test_a_marker_below_the_minimum_is_dropped_but_a_longer_one_kept() -> None:
     prepared = _prepared(["a", "b", "c", "d"], tokens=400, cached=1)  # 400 tokens shared: too short
-    plan = plan_cache(prepared, "anthropic", "claude-sonnet-4-5", ladder=False)
+    plan = plan_cache(prepared, "anthropic", "claude-sonnet-4-5", write_ahead=True, ladder=False, speculate_blocks=0)
     assert plan.block_breakpoints == (3,)  # only the end of the blocks (1,600 tokens) qualifies
+    unmarked = plan_cache(prepared, "anthropic", "claude-sonnet-4-5", speculate_blocks=0)
+    assert unmarked.skipped == "below minimum 1024 tokens for claude-sonnet-4-5"
+    # speculating 2 blocks past the shared one reaches 1,200 tokens: that one is kept
+    assert plan_cache(prepared, "anthropic", "claude-sonnet-4-5").block_breakpoints == (2,)
 
 
 def test_history_marker_counts_toward_the_limit() -> None:
@@ -90,11 +99,19 @@ def test_long_shared_prefix_gets_a_marker_within_the_look_back() -> None:
     history=st.integers(0, 5000),
     prefix=st.integers(0, 3000),
     allowed=st.integers(0, 6),
+    ahead=st.sampled_from([None, True, False]),
     model=st.sampled_from(["claude-sonnet-4-5", "claude-haiku-4-5", "claude-opus-5", "nova-pro", None]),
     provider=st.sampled_from(["anthropic", "bedrock"]),
 )
 def test_plans_obey_the_provider_rules(
-    sizes: list[int], shared: list[int], history: int, prefix: int, allowed: int, model: str | None, provider: str
+    sizes: list[int],
+    shared: list[int],
+    history: int,
+    prefix: int,
+    allowed: int,
+    ahead: bool | None,
+    model: str | None,
+    provider: str,
 ) -> None:
     blocks = tuple(Block(id=f"b{i}", text="t", tokens=size) for i, size in enumerate(sizes))
     prepared = PreparedRequest("r", "q", blocks, ranking=blocks)
@@ -106,6 +123,7 @@ def test_plans_obey_the_provider_rules(
         history_tokens=history,
         max_breakpoints=allowed,
         shared_depths=[d for d in shared if d <= len(sizes)],
+        write_ahead=ahead,
     )
     rules = cache_rules(provider, model)  # type: ignore[arg-type]
     assert plan.markers <= min(4, allowed)
@@ -163,3 +181,17 @@ def test_bad_arguments_raise() -> None:
         plan_cache(prepared, "anthropic", prefix_tokens=-1)
     with pytest.raises(TypeError, match="shared_depths"):
         plan_cache(prepared, "anthropic", shared_depths=[1.5])  # type: ignore[list-item]
+
+
+def test_openai_gpt_5_6_takes_explicit_breakpoints_and_a_key() -> None:
+    pilot = ContextPilot()
+    pilot.prepare(_blocks(["a", "b", "c", "d"]), "q1")
+    second = pilot.prepare(_blocks(["a", "b", "c", "x"]), "q2")
+    plan = plan_cache(second, "openai", "gpt-5.6-terra")
+    assert 2 in plan.block_breakpoints and plan.prompt_cache_key is not None
+    assert plan.explicit_only and plan.markers <= 4  # no managed breakpoint: all 4 writes are ours
+    chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
+    in_chat = plan_cache(chat, "openai", "gpt-5.6-terra", history_tokens=2000)
+    assert not in_chat.explicit_only and in_chat.markers <= 3  # the managed one takes the 4th write
+    older = plan_cache(second, "openai", "gpt-5")
+    assert older.block_breakpoints == () and not older.explicit_only

@@ -24,6 +24,7 @@ def test_demo_prints_a_table_and_writes_a_plot(tmp_path: Path, capsys: pytest.Ca
         "retrieval order, every block resent",
         "trie (default) + de-dup",
         "online: arrival interleave, feedback request",
+        "Prompt-cache cost on anthropic claude-sonnet-4-5",  # the demo's hosted-API table
     ):
         assert text in out, text
     plot = tmp_path / "reuse_vs_capacity.png"
