@@ -8,7 +8,11 @@ reading; what it models is the prompt cache OpenAI documents, simply:
 - automatic for prompts of at least ``min_tokens`` (1,024) tokens, hits counted in steps of
   ``granularity`` (128) tokens, reported as ``usage.prompt_tokens_details.cached_tokens``;
 - a prefix is found only in the cache its request is routed to: by ``prompt_cache_key``
-  when the request names one, else by a hash of its first 256 tokens.
+  when the request names one, else by a hash of its first 256 tokens;
+- GPT-5.6 and later (a request with ``prompt_cache_breakpoint`` content parts or
+  ``prompt_cache_options``): entries end exactly at the breakpoints (plus a managed one at
+  the end of the prompt unless ``prompt_cache_options.mode`` is ``explicit``), matched
+  exactly, writes reported as ``prompt_tokens_details.cache_write_tokens``.
 
 The prompt is the tools (as JSON), then each message's role and text, in order; four
 characters count as one token. With ``call_tools`` on, a request that offers tools and ends
@@ -28,7 +32,7 @@ from typing import Any
 
 from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, stepped_prefix_keys, tokens
 
-__all__ = ["FakeOpenAI", "fake_openai", "prompt_text"]
+__all__ = ["FakeOpenAI", "fake_openai", "prompt_text", "prompt_text_and_breakpoints"]
 
 ROUTING_TOKENS = 256
 
@@ -53,28 +57,53 @@ class FakeOpenAI:
         return self.url + "/v1"
 
     def usage(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The usage this request is billed (and the prefix it leaves in the cache)."""
-        text = prompt_text(body)
+        """The usage this request is billed (and the prefixes it leaves in the cache)."""
+        text, marks = prompt_text_and_breakpoints(body)
         total = tokens(text)
-        scope = (
+        scope = str(
             body.get("prompt_cache_key")
             or "route:" + hashlib.sha256(text[: ROUTING_TOKENS * CHARS_PER_TOKEN].encode()).hexdigest()
         )
-        boundaries = [
-            (size, key)
-            for size, key in stepped_prefix_keys(text, self.granularity, str(scope))
-            if size >= self.min_tokens
-        ]
-        cached = next((size for size, key in reversed(boundaries) if self._cache.holds(key)), 0)
-        for _, key in boundaries:
-            self._cache.add(key)
+        options = body.get("prompt_cache_options")
+        if marks or isinstance(options, dict):
+            cached, written = self._explicit(text, marks, scope, (options or {}).get("mode") == "explicit")
+        else:
+            cached, written = self._automatic(text, scope), 0
+        details: dict[str, Any] = {"cached_tokens": cached, "audio_tokens": 0}
+        if marks or isinstance(options, dict):
+            details["cache_write_tokens"] = written
         return {
             "prompt_tokens": total,
             "completion_tokens": 1,
             "total_tokens": total + 1,
-            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+            "prompt_tokens_details": details,
             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
         }
+
+    def _automatic(self, text: str, scope: str) -> int:
+        """Before GPT-5.6: every prefix of 1,024 tokens and more, in 128-token steps."""
+        boundaries = [
+            (size, key) for size, key in stepped_prefix_keys(text, self.granularity, scope) if size >= self.min_tokens
+        ]
+        cached = next((size for size, key in reversed(boundaries) if self._cache.holds(key)), 0)
+        for _, key in boundaries:
+            self._cache.add(key)
+        return cached
+
+    def _explicit(self, text: str, marks: list[int], scope: str, explicit_only: bool) -> tuple[int, int]:
+        """GPT-5.6 and later: entries end exactly at breakpoints (the content parts' explicit
+        ones, and in implicit mode a managed one at the end of the prompt); a request reads
+        the longest one it repeats exactly and writes its latest four (three explicit and
+        the managed one in implicit mode)."""
+        ends = sorted(set(marks)) + ([] if explicit_only else [len(text)])
+        keys = {end: PrefixCache.key([text[:end]], scope) for end in ends}
+        read = max((end for end in ends if self._cache.holds(keys[end])), default=0)
+        writing = sorted(set(marks))[-4:] if explicit_only else [*sorted(set(marks))[-3:], len(text)]
+        fresh = [end for end in writing if tokens(text[:end]) >= self.min_tokens and not self._cache.holds(keys[end])]
+        for end in fresh:
+            self._cache.add(keys[end])
+        written = tokens(text[: max(fresh)]) - tokens(text[:read]) if fresh and max(fresh) > read else 0
+        return tokens(text[:read]), written
 
     def answer(self, method: str, path: str, body: dict[str, Any] | None) -> Answer:
         if method != "POST" or path.split("?")[0].rstrip("/") != "/v1/chat/completions" or body is None:
@@ -136,13 +165,24 @@ class FakeOpenAI:
 
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt a Chat Completions request stands for: tools, then each message, in order."""
-    pieces = [json.dumps(tool, sort_keys=True) for tool in body.get("tools") or []]
+    return prompt_text_and_breakpoints(body)[0]
+
+
+def prompt_text_and_breakpoints(body: dict[str, Any]) -> tuple[str, list[int]]:
+    """The prompt, and where its explicit ``prompt_cache_breakpoint`` content parts end."""
+    text = "".join(json.dumps(tool, sort_keys=True) + "\n" for tool in body.get("tools") or [])
+    marks: list[int] = []
     for message in body.get("messages") or []:
-        piece = f"{message.get('role')}:{_text(message.get('content'))}"
+        text += f"{message.get('role')}:"
+        content = message.get("content")
+        for part in [content] if isinstance(content, str) else content or []:
+            text += part if isinstance(part, str) else str(part.get("text", ""))
+            if isinstance(part, dict) and part.get("prompt_cache_breakpoint"):
+                marks.append(len(text))
         if message.get("tool_calls"):
-            piece += json.dumps(message["tool_calls"], sort_keys=True)
-        pieces.append(piece)
-    return "".join(piece + "\n" for piece in pieces)
+            text += json.dumps(message["tool_calls"], sort_keys=True)
+        text += "\n"
+    return text, marks
 
 
 def _text(content: Any) -> str:

@@ -9,7 +9,9 @@ plan in each provider's own LangChain form, on copies of the outgoing messages:
   result, ``langchain-anthropic`` moves it to the ``tool_result``);
 - Bedrock (``ChatBedrockConverse``): a ``{"cachePoint": {"type": "default"}}`` block right
   after that text;
-- OpenAI (``ChatOpenAI``): no block; the plan's ``prompt_cache_key`` as a call argument;
+- OpenAI (``ChatOpenAI``): the plan's ``prompt_cache_key`` as a call argument; for GPT-5.6
+  and later, ``prompt_cache_breakpoint`` on the text up to a planned block (and
+  ``prompt_cache_options={"mode": "explicit"}`` where the plan asks for explicit mode);
 - Gemini (``ChatGoogleGenerativeAI``): nothing to write, the order is all that helps.
 
 Markers the messages already carry count against the provider's limit of four.
@@ -30,7 +32,7 @@ from contextpilot_integrations.hosted_keys import leading_text_key
 from contextpilot_integrations.providers import CachePlan, plan_cache
 from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
 
-__all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of"]
+__all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage"]
 
 PROVIDERS = ("openai", "anthropic", "bedrock", "gemini")
 _BY_CLASS = {
@@ -67,6 +69,14 @@ def model_name(llm: Any) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+def raw_usage(message: Any, provider: str | None) -> Any:
+    """What to read a provider's usage from: OpenAI's own ``usage`` where LangChain kept it
+    (``response_metadata["token_usage"]``: it has ``cache_write_tokens``, which LangChain's
+    ``usage_metadata`` drops), else the message (its ``usage_metadata``)."""
+    raw = (getattr(message, "response_metadata", None) or {}).get("token_usage")
+    return raw if provider == "openai" and isinstance(raw, dict) and "prompt_tokens" in raw else message
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,11 @@ def mark_messages(
         if conversation or binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
             key = leading_text_key([_text_of(message) for message in out])
         call_kwargs["prompt_cache_key"] = key
-    if provider not in ("anthropic", "bedrock") or budget <= 0:
+    if provider == "openai" and plan.explicit_only and "prompt_cache_options" not in call_kwargs:
+        call_kwargs["prompt_cache_options"] = {"mode": "explicit"}
+    if provider == "gemini" or (not plan.block_breakpoints and not plan.mark_history and not plan.mark_prefix):
+        return MarkedCall(out, call_kwargs, plan, 0)
+    if budget <= 0:
         return MarkedCall(out, call_kwargs, plan, 0)
     placed = 0
     cuts: dict[tuple[int, int], list[int]] = {}
@@ -173,16 +187,15 @@ def _text_of(message: BaseMessage) -> str:
 def _markers_in(message: BaseMessage, provider: str) -> int:
     if isinstance(message.content, str):
         return 0
-    if provider == "bedrock":
-        return sum(1 for part in message.content if isinstance(part, dict) and "cachePoint" in part)
-    return sum(1 for part in message.content if isinstance(part, dict) and part.get("cache_control"))
+    key = {"bedrock": "cachePoint", "openai": "prompt_cache_breakpoint"}.get(provider, "cache_control")
+    return sum(1 for part in message.content if isinstance(part, dict) and part.get(key))
 
 
 def _markable(message: BaseMessage, provider: str) -> bool:
     if isinstance(message, AIMessage):
         return not message.tool_calls and isinstance(message.content, str)
     if isinstance(message, ToolMessage):
-        return provider == "anthropic"  # Bedrock takes no cache point inside a tool result
+        return provider != "bedrock"  # Bedrock takes no cache point inside a tool result
     return True
 
 
@@ -233,6 +246,8 @@ def _split(message: BaseMessage, part_index: int, ends: list[int], provider: str
 def _marked(part: dict[str, Any], provider: str) -> list[dict[str, Any]]:
     if provider == "anthropic":
         return [{**part, "cache_control": dict(_ANTHROPIC_MARK)}]
+    if provider == "openai":  # GPT-5.6 and later: an explicit breakpoint on the content part
+        return [{**part, "prompt_cache_breakpoint": {"mode": "explicit"}}]
     return [part, dict(_BEDROCK_MARK)]
 
 
@@ -245,6 +260,6 @@ def _mark_end(message: BaseMessage, provider: str) -> BaseMessage | None:
     if not parts or _part_text(parts[-1]) is None or not _part_text(parts[-1]):
         return None
     last = parts[-1] if isinstance(parts[-1], dict) else {"type": "text", "text": parts[-1]}
-    if last.get("cache_control"):
+    if last.get("cache_control") or last.get("prompt_cache_breakpoint"):
         return None
     return message.model_copy(update={"content": [*parts[:-1], *_marked(dict(last), provider)]})

@@ -266,7 +266,7 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
             report_provider_served(
                 binding.pilot,
                 binding.prepared,
-                message,
+                cache_markers.raw_usage(message, provider),
                 provider,
                 before_tokens=binding.before_tokens,
                 usage_feedback=feedback,

@@ -190,7 +190,7 @@ class ContextPilotMiddleware(AgentMiddleware):
             report_provider_served(
                 binding.pilot,
                 binding.prepared,
-                answer,
+                cache_markers.raw_usage(answer, provider),
                 provider,
                 before_tokens=binding.before_tokens,
                 usage_feedback=self.usage_feedback,

@@ -74,6 +74,20 @@ def bedrock_parts(body: dict[str, Any]) -> list[tuple[str, bool]]:
     return parts
 
 
+def openai_parts(body: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Every text part of a Chat Completions request in order, and whether it carries an
+    explicit prompt_cache_breakpoint."""
+    parts: list[tuple[str, bool]] = []
+    for message in body["messages"]:
+        content = message["content"]
+        parts += (
+            [(content, False)]
+            if isinstance(content, str)
+            else [(part.get("text", ""), "prompt_cache_breakpoint" in part) for part in content]
+        )
+    return parts
+
+
 def marker_ends(parts: list[tuple[str, bool]]) -> list[int]:
     """Offsets in the joined text where a marker sits."""
     ends, offset = [], 0
@@ -222,6 +236,22 @@ def test_chat_openai_sends_one_prompt_cache_key_for_requests_sharing_their_leadi
         assert len(set(keys)) < len(keys)  # requests sharing leading documents share a key
         check_usage_back_in_the_pilot(pilot, answers, "openai")
         assert "prompt_cache_key" not in json.dumps(fake.requests[0]["messages"])
+
+
+def test_chat_openai_gpt_5_6_gets_explicit_breakpoints_where_the_shared_prefix_ends() -> None:
+    """From GPT-5.6 on, content parts take prompt_cache_breakpoint; outside a conversation
+    the plan asks for explicit mode (no managed breakpoint writing the question too)."""
+    with fake_openai() as fake:
+        pilot = ContextPilot()
+        openai = ChatOpenAI(model="gpt-5.6", base_url=fake.base_url, api_key="x", max_retries=0)
+        chain = rag_chain(pilot, ContextPilotChatModel(llm=openai, provider="openai"))
+        for query in QUERIES:
+            chain.invoke(query)
+        assert check_markers_at_the_shared_prefix(fake.requests, openai_parts) >= 2
+        assert all(body["prompt_cache_options"] == {"mode": "explicit"} for body in fake.requests)
+        usage = pilot.stats().provider_usage["openai"]
+        assert usage.cache_read_tokens > 0 and usage.cache_write_tokens > 0  # writes read from OpenAI's own usage
+        assert pilot.stats().engine_cache_write_tokens == usage.cache_write_tokens
 
 
 def test_a_callers_own_prompt_cache_key_wins() -> None:
