@@ -103,7 +103,10 @@ def mark_messages(
     (and into ``kwargs`` for OpenAI). The caller's messages are never changed.
 
     ``conversation``: the documents follow a conversation (an agent's tool results):
-    OpenAI's key then comes from the prompt's leading text (:mod:`~contextpilot_integrations.hosted_keys`)."""
+    OpenAI's key then comes from the prompt's leading text
+    (:mod:`~contextpilot_integrations.hosted_keys`), and with a marker left the end of the
+    last message is marked too (its next turn reads the conversation so far, as
+    ``AnthropicPromptCachingMiddleware`` does)."""
     prepared = binding.prepared
     out = list(messages)
     existing = sum(_markers_in(message, provider) for message in out)
@@ -133,7 +136,8 @@ def mark_messages(
         call_kwargs["prompt_cache_key"] = key
     if provider == "openai" and plan.explicit_only and "prompt_cache_options" not in call_kwargs:
         call_kwargs["prompt_cache_options"] = {"mode": "explicit"}
-    if provider == "gemini" or (not plan.block_breakpoints and not plan.mark_history and not plan.mark_prefix):
+    last_message = conversation and provider in ("anthropic", "bedrock")
+    if provider == "gemini" or not (plan.block_breakpoints or plan.mark_history or plan.mark_prefix or last_message):
         return MarkedCall(out, call_kwargs, plan, 0)
     if budget <= 0:
         return MarkedCall(out, call_kwargs, plan, 0)
@@ -158,6 +162,8 @@ def mark_messages(
         ends_to_mark.append(last_human - 1)
     if plan.mark_prefix and start == 1 and (first is None or first[0][0] != 0):
         ends_to_mark.append(0)
+    if last_message and out and len(out) - 1 not in ends_to_mark:
+        ends_to_mark.append(len(out) - 1)  # the conversation so far, for its next turn
     for index in ends_to_mark:
         marked = _mark_end(out[index], provider) if placed < budget else None
         if marked is not None:

@@ -168,3 +168,16 @@ def test_tools_without_documents_are_left_alone() -> None:
 def test_unknown_provider_is_refused() -> None:
     with pytest.raises(ValueError, match="provider"):
         ContextPilotMiddleware(provider="azure")
+
+
+def test_a_turn_whose_documents_are_all_references_still_reads_the_conversation() -> None:
+    with fake_anthropic() as fake:
+        pilot = ContextPilot()
+        model = ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x", max_retries=0)
+        agent = create_agent(
+            model, [search], middleware=[ContextPilotMiddleware(pilot=pilot)], checkpointer=InMemorySaver()
+        )
+        run_turns(agent, [QUERY, QUERY + " Again, please."])
+        assert pilot.stats().blocks_referenced == 6 and all(not dangling_references(texts(b)) for b in fake.requests)
+        assert 1 <= json.dumps(fake.requests[-1]).count('"cache_control"') <= 4  # the conversation so far
+        assert pilot.stats().provider_usage["anthropic"].cache_read_tokens > 0
