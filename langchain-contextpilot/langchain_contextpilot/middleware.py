@@ -32,6 +32,7 @@ from langgraph.types import Command
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
+from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import cache_markers
@@ -133,23 +134,25 @@ class ContextPilotMiddleware(AgentMiddleware):
         return result if documents is None else self._rewritten(request, result, documents)  # type: ignore[arg-type]
 
     # ---- model calls -----------------------------------------------------------------------------
-    def _take(self, messages: Sequence[BaseMessage]) -> Binding | None:
-        """The prepared request of this step's newest tool result (after the last AI message)."""
+    def _take(self, messages: Sequence[BaseMessage]) -> tuple[Binding | None, str | None]:
+        """The prepared request of this step's newest tool result (after the last AI
+        message) that no call took yet, and the id that tool result carries."""
         for message in reversed(messages):
             if isinstance(message, AIMessage):
-                return None
+                break
             rid = message.additional_kwargs.get(REQUEST_KEY) if isinstance(message, ToolMessage) else None
             if isinstance(rid, str):
                 with self._lock:
                     binding = self._pending.pop(rid, None)
                 if binding is not None:
-                    return binding
-        return None
+                    return binding, rid
+        return None, None
 
-    def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, Binding | None, str | None]:
-        binding = self._take(request.messages)
+    def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, Binding | None, str | None, str | None]:
+        """The request to send (markers placed), its binding, provider and tool result's id."""
+        binding, rid = self._take(request.messages)
         if binding is None:
-            return request, None, None
+            return request, None, None, None
         system = [request.system_message] if request.system_message is not None else []
         messages: list[BaseMessage] = [*system, *request.messages]
         segments, places = _segments(messages)
@@ -171,7 +174,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         overrides: dict[str, Any] = {"messages": messages[len(system) :], "model_settings": settings}
         if isinstance(head, SystemMessage):
             overrides["system_message"] = head
-        return request.override(**overrides), binding, provider
+        return request.override(**overrides), binding, provider, rid
 
     def _resolve(self, model: Any) -> str | None:
         if self.provider is None:
@@ -196,16 +199,34 @@ class ContextPilotMiddleware(AgentMiddleware):
                 usage_feedback=self.usage_feedback,
             )
 
+    def _failed(self, binding: Binding | None, rid: str | None) -> None:
+        """The call failed: the pilot forgets the request, and a retry (``ModelRetryMiddleware``
+        around this one) takes it again, under a new id."""
+        if binding is None or rid is None:
+            return
+        report_failed(binding.pilot, binding.prepared)
+        retry = Binding(binding.pilot, binding.pilot.adopt(binding.prepared, fresh_id=True))
+        with self._lock:
+            self._pending[rid] = retry
+
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
-        request, binding, provider = self._prepared_call(request)
-        response = handler(request)
+        request, binding, provider, rid = self._prepared_call(request)
+        try:
+            response = handler(request)
+        except BaseException:
+            self._failed(binding, rid)
+            raise
         self._report(binding, provider, response)
         return response
 
     async def awrap_model_call(
         self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
     ) -> Any:
-        request, binding, provider = self._prepared_call(request)
-        response = await handler(request)
+        request, binding, provider, rid = self._prepared_call(request)
+        try:
+            response = await handler(request)
+        except BaseException:  # cancelled too: the request may never have left
+            self._failed(binding, rid)
+            raise
         self._report(binding, provider, response)
         return response

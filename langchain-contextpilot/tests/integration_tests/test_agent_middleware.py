@@ -181,3 +181,26 @@ def test_a_turn_whose_documents_are_all_references_still_reads_the_conversation(
         assert pilot.stats().blocks_referenced == 6 and all(not dangling_references(texts(b)) for b in fake.requests)
         assert 1 <= json.dumps(fake.requests[-1]).count('"cache_control"') <= 4  # the conversation so far
         assert pilot.stats().provider_usage["anthropic"].cache_read_tokens > 0
+
+
+def test_a_failed_model_call_is_forgotten_and_its_retry_sends_the_request_again() -> None:
+    from langchain.agents.middleware import ModelRetryMiddleware
+
+    with fake_anthropic() as fake:
+
+        @tool(response_format="content_and_artifact")
+        def flaky_search(query: str) -> tuple[str, list[Document]]:
+            """Search the news archive (the provider is overloaded right after)."""
+            fake.fail_next = 1
+            return search.func(query)  # type: ignore[attr-defined,no-any-return]
+
+        pilot = ContextPilot()
+        model = ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x", max_retries=0)
+        retry = ModelRetryMiddleware(max_retries=1, initial_delay=0, jitter=False)
+        agent = create_agent(model, [flaky_search], middleware=[retry, ContextPilotMiddleware(pilot=pilot)])
+        agent.invoke({"messages": [HumanMessage(QUERY)]})
+        assert len(fake.requests) == 3  # the tool call, the failed answer, its retry
+        assert '"cache_control"' in json.dumps(fake.requests[1]) and '"cache_control"' in json.dumps(fake.requests[2])
+        stats = pilot.stats()
+        assert stats.requests_prepared == 1 and stats.provider_usage["anthropic"].requests == 1
+        assert stats.live_requests == 1  # the retry, adopted under a new id; the failed one forgotten
