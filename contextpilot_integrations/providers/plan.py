@@ -15,13 +15,11 @@ entries at block boundaries up to 20 blocks before one of its own markers
    turn resends them): the next turn reads it. Writes are billed once for the tokens up
    to the last marker, so further markers cost nothing more. Outside a conversation a
    write ahead costs 1.25x for tokens that are rarely read back: on the bundled
-   MultiHop-RAG sample it raised the simulated Anthropic cost by 16% offline and 13%
-   online, while in chat it saved 7% (``benchmarks/bench_providers.py``);
-   ``speculate_blocks`` past the shared prefix instead (by default 2 for a request
-   prepared online, whose followers are unknown; 0 for one planned in a batch, whose
-   followers the index already holds): the next request that shares a little more finds
-   an entry. On that sample 2 blocks cut the online cost by 6% over none (1: 5%, 3: 5%,
-   5: 2%, 15: -13%);
+   MultiHop-RAG sample it raised the simulated Anthropic cost by 16% online, while in chat
+   it saved 5% (``simulate --provider``); ``speculate_blocks`` past the shared prefix
+   instead (by default 1 for a request prepared online, whose followers are unknown; 0
+   for one planned in a batch, whose followers the index already holds): on that sample
+   1 block saved 0.8% online over none, 2 nothing, 3 and 5 cost 1% and 6% more;
 4. the other shared depths (where other live requests branch off this path), deepest
    first; then, where two markers are more than the look-back (20 blocks) apart, one in
    between, so a later request that shares only part of the span still finds an entry;
@@ -37,8 +35,8 @@ managed breakpoint takes the fourth write) and no look-back: an entry is matched
 exactly. Outside a conversation the plan asks for explicit mode (``explicit_only``: no
 managed breakpoint, which would write the whole prompt, question included, at 1.25x)
 and takes all 4 markers: on the bundled MultiHop-RAG sample that cut the simulated
-GPT-5.6 cost by 12% offline and 13% online; in chat the managed breakpoint stays (the
-next turn finds the previous prompt through it: without it reads fell from 29% to 0%).
+GPT-5.6 cost by 11% offline and 14% online; in chat the managed breakpoint stays (the
+next turn finds the previous prompt through it: without it reads fell from 30% to 0.4%).
 Gemini caches implicitly: ordering is all.
 """
 
@@ -110,7 +108,7 @@ def plan_cache(
         write_ahead: mark the end of the blocks too, for requests that come later
             (``None``: only in a conversation, whose next turn resends them).
         ladder: spend markers left over on the widest unmarked spans of the blocks.
-        speculate_blocks: also mark this many blocks past the shared prefix (``None``: 2
+        speculate_blocks: also mark this many blocks past the shared prefix (``None``: 1
             for a request prepared alone, 0 for one planned in a batch).
         rules: the cache rules to obey (default: :func:`cache_rules` of provider, model).
     """
@@ -145,7 +143,7 @@ def plan_cache(
     if write_ahead and sizes:
         wanted.append(len(sizes))
     if speculate_blocks is None:
-        speculate_blocks = 0 if prepared.batch_index is not None else 2
+        speculate_blocks = 0 if prepared.batch_index is not None else 1
     _check_count("speculate_blocks", speculate_blocks)
     if speculate_blocks and sizes:
         wanted.append(min(len(sizes), (depths[-1] if depths else 0) + speculate_blocks))

@@ -267,7 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     shape = PromptShape(args.system_tokens, args.question_tokens, args.answer_tokens)
     if args.provider:  # the hosted API's bill only
-        lines, provider_report = provider_whatif(args, workload.single, workload.chat, modes, shape)
+        try:
+            lines, provider_report = provider_whatif(args, workload.single, workload.chat, modes, shape)
+        except (KeyError, ValueError) as exc:
+            print(f"error: {str(exc).strip(chr(39))}", file=sys.stderr)
+            return 2
         print(json.dumps(provider_report, indent=2) if args.json else "\n".join(lines))
         return 0
     notes: list[str] = []

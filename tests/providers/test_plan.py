@@ -30,8 +30,8 @@ def test_marker_right_after_the_predicted_shared_prefix() -> None:
     plan = plan_cache(second, "anthropic", "claude-sonnet-4-5", speculate_blocks=0)
     assert plan.block_breakpoints == (2,)  # right after "c", the third block
     assert plan.skipped is None and plan.prompt_cache_key is None
-    # prepared online, it also marks 2 blocks further, for a follower that shares more
-    assert {2, 4} <= set(plan_cache(second, "anthropic", "claude-sonnet-4-5").block_breakpoints)
+    # prepared online, it also marks a block further, for a follower that shares more
+    assert {2, 3} <= set(plan_cache(second, "anthropic", "claude-sonnet-4-5").block_breakpoints)
     # writing ahead marks the end of the blocks too (the default in a conversation)
     assert 5 in plan_cache(second, "anthropic", write_ahead=True).block_breakpoints
     chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
@@ -69,7 +69,8 @@ def test_a_marker_below_the_minimum_is_dropped_but_a_longer_one_kept() -> None:
     unmarked = plan_cache(prepared, "anthropic", "claude-sonnet-4-5", speculate_blocks=0)
     assert unmarked.skipped == "below minimum 1024 tokens for claude-sonnet-4-5"
     # speculating 2 blocks past the shared one reaches 1,200 tokens: that one is kept
-    assert plan_cache(prepared, "anthropic", "claude-sonnet-4-5").block_breakpoints == (2,)
+    assert plan_cache(prepared, "anthropic", "claude-sonnet-4-5", speculate_blocks=2).block_breakpoints == (2,)
+    assert plan_cache(prepared, "anthropic", "claude-sonnet-4-5").skipped is not None  # 1 block: 800 tokens
 
 
 def test_history_marker_counts_toward_the_limit() -> None:

@@ -151,3 +151,13 @@ def test_gpt_5_6_writes_cost_more_and_explicit_breakpoints_pay() -> None:
     assert set(runs) == {"retrieval order", "ContextPilot"}
     assert runs["retrieval order"].write_ratio == 1.0  # the managed breakpoint writes every prompt
     assert runs["ContextPilot"].cost < runs["retrieval order"].cost
+
+
+def test_simulate_provider_cli_reports_what_it_cannot_price(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(r.model_dump_json(exclude_none=True) + "\n" for r in _trace()[:5]), encoding="utf-8")
+    base = ["simulate", "--trace", str(path), "--provider"]
+    assert main([*base, "openai", "--model", "my-fine-tune"]) == 2
+    assert "no price for openai model 'my-fine-tune'" in capsys.readouterr().err
+    assert main([*base, "bedrock", "--model", "amazon.nova-pro-v1:0", "--cache-ttl", "1h"]) == 2
+    assert "no 1-hour cache write price" in capsys.readouterr().err
