@@ -3,10 +3,13 @@
 The adapters' chat models call :func:`report_provider_served` where they would call
 :func:`~.engines.feedback.report_served` for a local engine: the provider's usage
 (:func:`~.providers.read_provider_usage`) goes to the pilot's statistics with its cache
-writes (:meth:`ContextPilot.record_provider_usage`), and, with ``usage_feedback``, cache
-reads short of the prediction drop from the index what the provider no longer holds
-(expired, or never cached: below its minimum). A report the provider got wrong is logged,
-never raised: the call itself succeeded.
+writes (:meth:`ContextPilot.record_provider_usage`), and, only with ``usage_feedback``,
+cache reads short of the prediction drop from the index what the provider is taken to no
+longer hold. Off by default: a hosted API reads only at the entries its markers wrote (or in
+128-token steps), so a short read is mostly no eviction (taking it as one cost 8-13% in the
+provider what-if, :mod:`.whatif.provider_sim`); forget requests one TTL after sending
+(``pilot.evict``) instead. A report the provider got wrong is logged, never raised: the
+call itself succeeded.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def report_provider_served(
     provider: str | None,
     *,
     before_tokens: int = 0,
-    usage_feedback: bool = True,
+    usage_feedback: bool = False,
 ) -> ProviderUsage | None:
     """Record the usage in ``raw`` (any provider's, or LangChain's ``usage_metadata``) for
     ``prepared``; returns it (``None``: no usage, or a broken one, logged)."""

@@ -202,7 +202,8 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     hosted API)."""
     event_sink: Any = Field(default=None, exclude=True)
     usage_feedback: bool | None = None
-    """Report cached-token shortfalls to the index (default: on)."""
+    """Report cached-token shortfalls to the index (default: on for an engine, off for a
+    hosted API, whose short reads are no evictions)."""
     provider: str | None = "auto"
     """The hosted API whose prompt cache to mark: ``openai``, ``anthropic``, ``bedrock``,
     ``gemini``; ``"auto"``: from the wrapped class (``ChatOpenAI`` only at OpenAI's own
@@ -262,7 +263,8 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         if provider is None:
             super()._after(binding, message)
         elif binding is not None and message is not None:
-            feedback = True if self.usage_feedback is None else self.usage_feedback
+            # a hosted API's short read is no eviction (it reads only at its entries, in steps): off by default
+            feedback = bool(self.usage_feedback)
             report_provider_served(
                 binding.pilot,
                 binding.prepared,

@@ -59,7 +59,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         *,
         provider: str | None = "auto",
         document_tools: Sequence[str] | None = None,
-        usage_feedback: bool = True,
+        usage_feedback: bool = False,
     ) -> None:
         """
         Args:
@@ -67,6 +67,9 @@ class ContextPilotMiddleware(AgentMiddleware):
             provider: the hosted API whose cache to mark (``openai``, ``anthropic``,
                 ``bedrock``, ``gemini``); ``"auto"``: from the agent's model class; ``None``:
                 order and de-duplicate only.
+            usage_feedback: take the provider's cache reads short of the prediction as
+                evictions (off: a hosted API reads only at its entries, and in steps, so a
+                short read is no eviction; forget requests on a timer with ``pilot.evict``).
             document_tools: names of the tools whose documents to handle (default: every tool that
                 returns documents as its artifact).
         """

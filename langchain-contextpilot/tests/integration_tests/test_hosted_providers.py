@@ -124,7 +124,7 @@ def check_markers_at_the_shared_prefix(bodies: list[dict[str, Any]], parts_of: A
         text = "".join(part for part, _ in parts)
         order = send_order(text, documents_of(query))
         ends = marker_ends(parts)
-        assert 0 < len(ends) <= 4
+        assert len(ends) <= 4  # a first request shares nothing yet: it may carry none
         document_ends = {text.find(d.page_content) + len(d.page_content): d.id for d in order}
         assert all(end in document_ends for end in ends), "a marker sits right after a document"
         depth = shared_depth(order, orders)
@@ -194,8 +194,8 @@ def test_chat_anthropic_keeps_the_callers_own_markers_within_four() -> None:
         for query in QUERIES:
             chain.invoke(query)
         counts = [json.dumps(body).count('"cache_control"') for body in fake.requests]
-        # the caller's two, and ours (one may fall on the caller's own, at the end of the context)
-        assert all(3 <= count <= 4 for count in counts)
+        # the caller's two, and ours where a prefix is shared (one may fall on the caller's own)
+        assert all(2 <= count <= 4 for count in counts) and max(counts) > 2
 
 
 # ---- Bedrock: a cachePoint block after the text where the shared prefix ends ---------------------------------
@@ -248,7 +248,8 @@ def test_chat_openai_gpt_5_6_gets_explicit_breakpoints_where_the_shared_prefix_e
         for query in QUERIES:
             chain.invoke(query)
         assert check_markers_at_the_shared_prefix(fake.requests, openai_parts) >= 2
-        assert all(body["prompt_cache_options"] == {"mode": "explicit"} for body in fake.requests)
+        marked = [body for body in fake.requests if "prompt_cache_breakpoint" in json.dumps(body)]
+        assert marked and all(body["prompt_cache_options"] == {"mode": "explicit"} for body in marked)
         usage = pilot.stats().provider_usage["openai"]
         assert usage.cache_read_tokens > 0 and usage.cache_write_tokens > 0  # writes read from OpenAI's own usage
         assert pilot.stats().engine_cache_write_tokens == usage.cache_write_tokens
@@ -287,5 +288,5 @@ def test_streamed_and_async_calls_are_marked_too() -> None:
         chain = rag_chain(pilot, llm)
         assert "".join(str(chunk.content) for chunk in chain.stream(QUERY))
         asyncio.run(chain.ainvoke(RELATED))
-        assert all('"cache_control"' in json.dumps(body) for body in fake.requests)
+        assert '"cache_control"' in json.dumps(fake.requests[-1])  # shares QUERY's leading documents
         assert pilot.stats().provider_usage["anthropic"].requests == 2

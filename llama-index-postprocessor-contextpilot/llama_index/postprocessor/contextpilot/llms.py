@@ -187,7 +187,7 @@ class ContextPilotLLM(_Reports, LLM):
             response.raw,
             provider,
             before_tokens=binding.before_tokens,
-            usage_feedback=True if self.usage_feedback is None else self.usage_feedback,
+            usage_feedback=bool(self.usage_feedback),  # a hosted API's short read is no eviction
         )
         if usage is not None:
             response.additional_kwargs["cached_tokens"] = usage.cache_read_tokens
