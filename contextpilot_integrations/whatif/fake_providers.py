@@ -1,13 +1,21 @@
 """Fakes of hosted APIs that cannot be reached from here, for tests and demos.
 
 :class:`FakeAnthropic` is a local server speaking Anthropic's Messages wire format
-(``POST /v1/messages``, JSON or server-sent events), driven by the real ``anthropic`` SDK
-and ``langchain-anthropic``. It is a fake: it writes no model output worth reading. What it
-does model is the prompt cache the provider documents: a prefix up to a ``cache_control``
-breakpoint is written on first use and read by later requests that repeat it exactly, and
-the usage it reports (``cache_read_input_tokens``, ``cache_creation_input_tokens``,
-``input_tokens``) is computed from the requests, not canned. Tokens are counted as four
-characters each. Every request body is recorded (``requests``).
+(``POST /v1/messages``, JSON or server-sent events), driven by the real ``anthropic`` SDK,
+``langchain-anthropic`` and ``llama-index-llms-anthropic``. It is a fake: it writes no
+model output worth reading. What it does model is the prompt cache the provider documents
+(:func:`~.fake_http.breakpoint_usage`): a prefix up to a ``cache_control`` breakpoint is
+written on first use and read by later requests that repeat it, found at a breakpoint or up
+to 20 blocks before one; a prefix below ``min_tokens`` is silently not cached; more than 4
+breakpoints is an error (HTTP 400), as on the real API. The usage it reports
+(``cache_read_input_tokens``, ``cache_creation_input_tokens``, ``input_tokens``) is
+computed from the requests, not canned. Tokens are counted as four characters each. With
+``call_tools`` on, a request that offers tools and ends with the user's text gets a
+``tool_use`` of its first tool (its first parameter: that text); one that ends with tool
+results gets a plain answer. Every request body is recorded (``requests``).
+
+The other hosted APIs' fakes are siblings: :mod:`.fake_openai`, :mod:`.fake_bedrock`,
+:mod:`.fake_gemini`.
 """
 
 from __future__ import annotations
@@ -20,165 +28,168 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, breakpoint_usage, serve
+
 __all__ = ["FakeAnthropic", "broken_stream_server", "fake_anthropic"]
 
-MAX_BODY = 8 << 20
-CHARS_PER_TOKEN = 4
+MAX_BREAKPOINTS = 4
 
 
 @dataclass
 class FakeAnthropic:
     """A running fake of Anthropic's Messages API on 127.0.0.1 (see the module docstring)."""
 
-    url: str
+    url: str = ""
+    min_tokens: int = 1024
+    """The minimum cacheable prompt length (Claude Sonnet and Opus 4: 1,024 tokens)."""
+    call_tools: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
     fail_next: int = 0
     """Answer the next this many requests with HTTP 529 (overloaded)."""
-    _cached: set[str] = field(default_factory=set)
+    _cache: PrefixCache = field(default_factory=PrefixCache)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def usage(self, body: dict[str, Any]) -> dict[str, int]:
-        """The usage this request is billed: cache reads, writes, and the rest."""
+        """The usage this request is billed: cache reads, writes, and the rest (and the
+        prefixes it leaves in the cache)."""
         pieces, marks = _flatten(body)
         total = sum(len(piece) for piece in pieces) // CHARS_PER_TOKEN
-        read = written = 0
-        with self._lock:
-            for mark in marks:
-                prefix = "\x00".join(pieces[: mark + 1])
-                size = len("".join(pieces[: mark + 1])) // CHARS_PER_TOKEN
-                if prefix in self._cached:
-                    read = max(read, size)
-                else:
-                    self._cached.add(prefix)
-                    written = max(written, size - read)
+        read, written = breakpoint_usage(
+            self._cache, pieces, marks, scope=str(body.get("model")), min_tokens=self.min_tokens
+        )
         return {
             "input_tokens": total - read - written,
             "cache_read_input_tokens": read,
             "cache_creation_input_tokens": written,
         }
 
+    def answer(self, method: str, path: str, body: dict[str, Any] | None) -> Answer:
+        if method != "POST" or path.split("?")[0].rstrip("/") != "/v1/messages" or body is None:
+            return _error(404, "not_found_error", f"{method} {path}")
+        with self._lock:
+            self.requests.append(body)
+            number = len(self.requests)
+            failing = self.fail_next > 0
+            self.fail_next -= failing
+        if failing:
+            return _error(529, "overloaded_error", "Overloaded")
+        breakpoints = len(_flatten(body)[1])
+        if breakpoints > MAX_BREAKPOINTS:
+            return _error(
+                400,
+                "invalid_request_error",
+                f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {breakpoints}.",
+            )
+        usage = self.usage(body)
+        content: list[dict[str, Any]] = [{"type": "text", "text": "ok"}]
+        stop = "end_turn"
+        call = self._tool_use(body, number)
+        if call is not None:
+            content, stop = [call], "tool_use"
+        message = {
+            "id": f"msg_fake_{number}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", "fake"),
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": None,
+            "usage": {**usage, "output_tokens": 1},
+        }
+        return Answer(events=_events(message)) if body.get("stream") else Answer(payload=message)
+
+    def _tool_use(self, body: dict[str, Any], number: int) -> dict[str, Any] | None:
+        tools = body.get("tools") or []
+        messages = body.get("messages") or []
+        if not (self.call_tools and tools and messages and messages[-1].get("role") == "user"):
+            return None
+        content = messages[-1].get("content")
+        parts = [content] if isinstance(content, str) else content or []
+        if any(isinstance(part, dict) and part.get("type") == "tool_result" for part in parts):
+            return None
+        text = "".join(part if isinstance(part, str) else str(part.get("text", "")) for part in parts)
+        properties = (tools[0].get("input_schema") or {}).get("properties") or {"query": {}}
+        return {
+            "type": "tool_use",
+            "id": f"toolu_fake_{number}",
+            "name": tools[0].get("name", "tool"),
+            "input": {next(iter(properties)): text},
+        }
+
+
+def _error(status: int, kind: str, message: str) -> Answer:
+    return Answer(status, {"type": "error", "error": {"type": kind, "message": message}})
+
 
 def _flatten(body: dict[str, Any]) -> tuple[list[str], list[int]]:
-    """The prompt's texts in order (tools, system, messages) and where breakpoints are."""
+    """The prompt's pieces in order (tools, system, messages; a tool result's blocks one by
+    one) and which pieces carry a breakpoint."""
     pieces: list[str] = []
     marks: list[int] = []
 
-    def add(text: str, block: Any) -> None:
+    def add(text: str, *blocks: Any) -> None:
         pieces.append(text)
-        if isinstance(block, dict) and block.get("cache_control"):
+        if any(isinstance(block, dict) and block.get("cache_control") for block in blocks):
             marks.append(len(pieces) - 1)
 
     for tool in body.get("tools") or []:
-        add(json.dumps(tool, sort_keys=True), tool)
+        add(json.dumps({k: v for k, v in tool.items() if k != "cache_control"}, sort_keys=True), tool)
     system = body.get("system")
     for block in [system] if isinstance(system, str) else system or []:
-        add(block if isinstance(block, str) else str(block.get("text", "")), block)
+        add("system:" + (block if isinstance(block, str) else str(block.get("text", ""))), block)
     for message in body.get("messages") or []:
         content = message.get("content")
+        role = message.get("role")
         for block in [content] if isinstance(content, str) else content or []:
-            add(f"{message.get('role')}:" + (block if isinstance(block, str) else str(block.get("text", ""))), block)
+            if isinstance(block, str):
+                add(f"{role}:{block}", block)
+            elif block.get("type") == "tool_result":
+                inner = block.get("content")
+                inner_blocks = [inner] if isinstance(inner, str) else inner or [""]
+                for position, part in enumerate(inner_blocks):
+                    text = part if isinstance(part, str) else str(part.get("text", ""))
+                    last = position == len(inner_blocks) - 1
+                    add(f"{role}:tool_result:{text}", part, *([block] if last else []))
+            elif block.get("type") == "tool_use":
+                add(f"{role}:tool_use:{json.dumps(block.get('input'), sort_keys=True)}", block)
+            else:
+                add(f"{role}:{block.get('text', '')}", block)
     return pieces, marks
 
 
-def _handler(fake: FakeAnthropic) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = 30
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet
-            return
-
-        def _json(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            if self.path.rstrip("/") != "/v1/messages":
-                self._json(404, {"type": "error", "error": {"type": "not_found_error", "message": self.path}})
-                return
-            if (
-                not (self.headers.get("content-type") or "").startswith("application/json")
-                or not 0 < length <= MAX_BODY
-            ):
-                self._json(400, {"type": "error", "error": {"type": "invalid_request_error", "message": "bad body"}})
-                return
-            body = json.loads(self.rfile.read(length))
-            with fake._lock:
-                fake.requests.append(body)
-                failing = fake.fail_next > 0
-                fake.fail_next -= failing
-            if failing:
-                self._json(529, {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
-                return
-            usage = fake.usage(body)
-            message = {
-                "id": f"msg_fake_{len(fake.requests)}",
-                "type": "message",
-                "role": "assistant",
-                "model": body.get("model", "fake"),
-                "content": [{"type": "text", "text": "ok"}],
-                "stop_reason": "end_turn",
-                "stop_sequence": None,
-                "usage": {**usage, "output_tokens": 1},
-            }
-            if body.get("stream"):
-                self._stream(message)
-            else:
-                self._json(200, message)
-
-        def _stream(self, message: dict[str, Any]) -> None:
-            start = {**message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}}
-            events = [
-                ("message_start", {"type": "message_start", "message": start}),
-                (
-                    "content_block_start",
-                    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                ),
-                (
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}},
-                ),
-                ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                (
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                        "usage": {"output_tokens": 1},
-                    },
-                ),
-                ("message_stop", {"type": "message_stop"}),
-            ]
-            data = "".join(f"event: {name}\ndata: {json.dumps(payload)}\n\n" for name, payload in events).encode()
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    return Handler
+def _events(message: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+    start = {**message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}}
+    block = message["content"][0]
+    if block["type"] == "tool_use":
+        opening = {**block, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+    else:
+        opening = {"type": "text", "text": ""}
+        delta = {"type": "text_delta", "text": block["text"]}
+    return [
+        ("message_start", {"type": "message_start", "message": start}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": opening}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                "usage": {"output_tokens": 1},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
 
 
 @contextmanager
-def fake_anthropic() -> Iterator[FakeAnthropic]:
+def fake_anthropic(**options: Any) -> Iterator[FakeAnthropic]:
     """A :class:`FakeAnthropic` on a free port of 127.0.0.1, stopped on exit."""
-    fake = FakeAnthropic(url="")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    server.daemon_threads = True
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="fake-anthropic", daemon=True)
-    thread.start()
-    try:
+    fake = FakeAnthropic(**options)
+    with serve(fake, "fake-anthropic") as url:
+        fake.url = url
         yield fake
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @contextmanager

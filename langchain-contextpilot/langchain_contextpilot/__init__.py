@@ -9,7 +9,10 @@
   run tree, never by searching the prompt) and reports the provider's cached tokens;
   :class:`ChatSGLang` is ``ChatOpenAI`` preset for SGLang and other OpenAI-compatible engines;
 - :class:`ConversationalRAG` is multi-turn RAG with memory (a Runnable), where documents
-  already shown become location references to the history it sends.
+  already shown become location references to the history it sends;
+- :class:`ContextPilotMiddleware` (``langchain_contextpilot.middleware``, needs ``langchain``)
+  does the same for a ``create_agent`` agent whose tools return documents, and places the
+  hosted API's cache markers (:mod:`.cache_markers`).
 
 Components that never see the prompt (retriever, compressor, LCEL step) send every document
 in full; where messages leave for the engine, a reference whose text is missing is put back.
@@ -27,6 +30,15 @@ from .compressors import ContextPilotCompressor, ContextPilotPostprocessor, cont
 from .conversational import ConversationalRAG
 from .formatting import format_documents, format_documents_runnable
 from .retrievers import ContextPilotRetriever
+
+
+def __getattr__(name: str) -> object:
+    if name == "ContextPilotMiddleware":  # imports langchain (agents), an optional dependency
+        from .middleware import ContextPilotMiddleware
+
+        return ContextPilotMiddleware
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 try:
     __version__ = metadata.version(__package__ or __name__)

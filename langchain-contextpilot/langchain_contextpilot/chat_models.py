@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -25,11 +26,14 @@ from pydantic import Field, model_validator
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.errors import EngineError
+from contextpilot_integrations.hosted_usage import report_provider_served
 
-from . import _binding, _model_calls
+from . import _binding, _model_calls, cache_markers
 from ._model_calls import BINDING_KWARG, PROMPT_IDS_KEY
 
 __all__ = ["ChatSGLang", "ContextPilotChatModel"]
+
+_log = logging.getLogger(__name__)
 
 _SENDING: ContextVar[bool] = ContextVar("contextpilot_sending", default=False)
 """Inside a call already bound (a provider's ``_generate`` that streams through ``_stream``)."""
@@ -198,10 +202,19 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     hosted API)."""
     event_sink: Any = Field(default=None, exclude=True)
     usage_feedback: bool | None = None
-    """Report cached-token shortfalls to the index (default: on)."""
+    """Report cached-token shortfalls to the index (default: on for an engine, off for a
+    hosted API, whose short reads are no evictions)."""
+    provider: str | None = "auto"
+    """The hosted API whose prompt cache to mark: ``openai``, ``anthropic``, ``bedrock``,
+    ``gemini``; ``"auto"``: from the wrapped class (``ChatOpenAI`` only at OpenAI's own
+    URL); ``None``: no markers. See :mod:`.cache_markers`."""
 
     @model_validator(mode="after")
     def _engine_needs_a_body(self) -> ContextPilotChatModel:
+        if self.provider not in (None, "auto", *cache_markers.PROVIDERS):
+            raise ValueError(
+                f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {self.provider!r}"
+            )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "extra_body"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
         if self.engine is not None and self.engine not in wire.REQUEST_ID_FIELDS:
@@ -223,6 +236,43 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
 
     def _provider_extra_body(self) -> dict[str, Any] | None:
         return getattr(self.llm, "extra_body", None)
+
+    def _hosted(self) -> str | None:
+        """The hosted API whose cache markers this model writes (``None``: none)."""
+        if self.engine is not None or self.provider is None:
+            return None
+        return cache_markers.provider_of(self.llm) if self.provider == "auto" else self.provider
+
+    def _before(
+        self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
+    ) -> tuple[Binding | None, list[BaseMessage], dict[str, Any]]:
+        binding, sent, kwargs = super()._before(messages, run_manager, kwargs)
+        provider = self._hosted()
+        if binding is None or provider is None:
+            return binding, sent, kwargs
+        try:
+            marked = cache_markers.mark_messages(provider, cache_markers.model_name(self.llm), binding, sent, kwargs)
+        except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
+            _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
+            return binding, sent, kwargs
+        binding.pilot.note_cache_plan(marked.plan)
+        return binding, marked.messages, marked.kwargs
+
+    def _after(self, binding: Binding | None, message: Any) -> None:
+        provider = self._hosted()
+        if provider is None:
+            super()._after(binding, message)
+        elif binding is not None and message is not None:
+            # a hosted API's short read is no eviction (it reads only at its entries, in steps): off by default
+            feedback = bool(self.usage_feedback)
+            report_provider_served(
+                binding.pilot,
+                binding.prepared,
+                cache_markers.raw_usage(message, provider),
+                provider,
+                before_tokens=binding.before_tokens,
+                usage_feedback=feedback,
+            )
 
     def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Ask for usage in streams where the model takes ``stream_usage``."""

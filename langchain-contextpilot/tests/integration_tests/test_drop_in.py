@@ -342,7 +342,7 @@ def test_wrapped_chat_anthropic_reports_cache_reads() -> None:
             ),
         ]
     )
-    with fake_anthropic() as fake:
+    with fake_anthropic(min_tokens=256) as fake:  # short documents: a lower minimum
         pilot = ContextPilot()
         llm = ContextPilotChatModel(
             llm=ChatAnthropic(model="claude-fake", base_url=fake.url, api_key="x", max_tokens=5)

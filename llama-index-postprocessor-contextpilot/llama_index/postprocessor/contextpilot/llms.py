@@ -8,6 +8,7 @@ and other OpenAI-compatible engines (``llama-index-llms-sglang`` talks to
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
@@ -28,12 +29,15 @@ from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
+from contextpilot_integrations.hosted_usage import report_provider_served
 
-from . import _llm_calls
+from . import _llm_calls, cache_points
 from ._binding import span_binder, take
 from ._llm_calls import BINDING_KWARG
 
 __all__ = ["BINDING_KWARG", "ContextPilotLLM", "SGLangLLM"]
+
+_log = logging.getLogger(__name__)
 
 
 class _Reports:
@@ -108,11 +112,20 @@ class ContextPilotLLM(_Reports, LLM):
     engine: str | None = Field(default=None, description="sglang, vllm: body fields for the request id.")
     event_sink: Any = Field(default=None, exclude=True)
     usage_feedback: bool | None = None
+    provider: str | None = Field(
+        default="auto",
+        description="The hosted API whose prompt cache to mark (openai, anthropic); auto: from the wrapped "
+        "class (OpenAI only at OpenAI's own URL); None: no markers. See cache_points.",
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not isinstance(self.llm, LLM):
             raise TypeError(f"llm must be a LlamaIndex LLM, got {type(self.llm).__name__}")
+        if self.provider not in (None, "auto", *cache_points.PROVIDERS):
+            raise ValueError(
+                f"provider must be one of {[*cache_points.PROVIDERS, 'auto']} or None, got {self.provider!r}"
+            )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "additional_kwargs"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
         span_binder()
@@ -140,8 +153,49 @@ class ContextPilotLLM(_Reports, LLM):
         )
         return {**kwargs, "extra_body": extra}
 
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    def _hosted(self) -> str | None:
+        """The hosted API whose cache markers this LLM writes (``None``: none)."""
+        if self.engine is not None or self.provider is None:
+            return None
+        return cache_points.provider_of(self.llm) if self.provider == "auto" else self.provider
+
+    def _bind_chat(
+        self, kwargs: dict[str, Any], messages: Sequence[ChatMessage]
+    ) -> tuple[Binding | None, list[ChatMessage], dict[str, Any]]:
+        """The call's prepared request, and the messages and arguments to send (markers placed)."""
         binding, sent = _llm_calls.bind(kwargs, messages)
+        provider = self._hosted()
+        if binding is None or provider is None:
+            return binding, sent, kwargs
+        try:
+            marked = cache_points.mark_chat(provider, cache_points.model_name(self.llm), binding, sent, kwargs)
+        except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
+            _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
+            return binding, sent, kwargs
+        binding.pilot.note_cache_plan(marked.plan)
+        return binding, marked.messages, marked.kwargs
+
+    def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
+        provider = self._hosted()
+        if provider is None or response is None:
+            return super()._done(binding, response, ids)
+        if binding is None:
+            return response
+        usage = report_provider_served(
+            binding.pilot,
+            binding.prepared,
+            response.raw,
+            provider,
+            before_tokens=binding.before_tokens,
+            usage_feedback=bool(self.usage_feedback),  # a hosted API's short read is no eviction
+        )
+        if usage is not None:
+            response.additional_kwargs["cached_tokens"] = usage.cache_read_tokens
+            response.additional_kwargs["cache_write_tokens"] = usage.cache_write_tokens
+        return response
+
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        binding, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
             response = self.llm.chat(sent, **self._with_ids(binding, kwargs))
         except Exception as exc:
@@ -149,7 +203,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._done(binding, response)  # type: ignore[no-any-return]
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        binding, sent = _llm_calls.bind(kwargs, messages)
+        binding, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
             response = await self.llm.achat(sent, **self._with_ids(binding, kwargs))
         except BaseException as exc:
@@ -157,7 +211,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._done(binding, response)  # type: ignore[no-any-return]
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        binding, sent = _llm_calls.bind(kwargs, messages)
+        binding, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
             stream = self.llm.stream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
         except Exception as exc:
@@ -165,7 +219,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._streamed(binding, stream)
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        binding, sent = _llm_calls.bind(kwargs, messages)
+        binding, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
             stream = await self.llm.astream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
         except BaseException as exc:

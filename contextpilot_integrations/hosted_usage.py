@@ -1,0 +1,54 @@
+"""A hosted API's answer, back to the pilot: cache reads and writes, and what it still holds.
+
+The adapters' chat models call :func:`report_provider_served` where they would call
+:func:`~.engines.feedback.report_served` for a local engine: the provider's usage
+(:func:`~.providers.read_provider_usage`) goes to the pilot's statistics with its cache
+writes (:meth:`ContextPilot.record_provider_usage`), and, only with ``usage_feedback``,
+cache reads short of the prediction drop from the index what the provider is taken to no
+longer hold. Off by default: a hosted API reads only at the entries its markers wrote (or in
+128-token steps), so a short read is mostly no eviction (taking it as one cost 8-13% in the
+provider what-if, :mod:`.whatif.provider_sim`); forget requests one TTL after sending
+(``pilot.evict``) instead. A report the provider got wrong is logged, never raised: the
+call itself succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .engines.feedback import cached_blocks_from_usage
+from .pilot import ContextPilot
+from .prepared import PreparedRequest
+from .providers import ProviderUsage, read_provider_usage
+
+__all__ = ["report_provider_served"]
+
+_log = logging.getLogger(__name__)
+
+
+def report_provider_served(
+    pilot: ContextPilot | None,
+    prepared: PreparedRequest,
+    raw: object,
+    provider: str | None,
+    *,
+    before_tokens: int = 0,
+    usage_feedback: bool = False,
+) -> ProviderUsage | None:
+    """Record the usage in ``raw`` (any provider's, or LangChain's ``usage_metadata``) for
+    ``prepared``; returns it (``None``: no usage, or a broken one, logged)."""
+    try:
+        usage = read_provider_usage(raw)
+        if usage is not None and usage.provider is None and provider is not None:
+            usage = dataclasses.replace(usage, provider=provider)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        _log.warning("the provider's usage for request %r is not reported: %s", prepared.request_id, exc)
+        return None
+    if usage is None or pilot is None:
+        return usage
+    pilot.record_provider_usage(prepared, usage)
+    if usage_feedback and prepared.cached_blocks:
+        held = cached_blocks_from_usage(prepared, usage.prompt_tokens, usage.cache_read_tokens, before_tokens)
+        pilot.observe_cached(prepared, held)
+    return usage

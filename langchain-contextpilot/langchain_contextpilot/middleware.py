@@ -1,0 +1,235 @@
+"""A LangChain v1 agent middleware: ContextPilot for agents whose tools return documents.
+
+``create_agent(model, tools, middleware=[ContextPilotMiddleware(pilot=pilot)])`` (the
+pattern of ``langchain-anthropic``'s ``AnthropicPromptCachingMiddleware``):
+
+- **tool results**: a tool that returns documents as its artifact
+  (``@tool(response_format="content_and_artifact")`` returning ``(text, documents)``) gets
+  its result rewritten by the pilot: shared documents first, and documents that an earlier
+  tool result *still in the agent's state* carries become location references (safe: the
+  state holds the history the model is sent; a reference whose text the messages sent do
+  not carry is put back in full before the call);
+- **model calls**: the hosted provider's cache markers where the shared prefix ends
+  (Anthropic ``cache_control``, Bedrock ``cachePoint``, OpenAI ``prompt_cache_key``; see
+  :mod:`.cache_markers`), and the provider's cache reads and writes back to the pilot.
+
+The conversation is the run's ``thread_id`` (or ``conversation_id``/``session_id``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from langchain.agents.middleware.types import AgentMiddleware, ModelRequest, ModelResponse
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolMessage
+from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.types import Command
+
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
+from contextpilot_integrations.engines.feedback import report_failed
+from contextpilot_integrations.hosted_usage import report_provider_served
+
+from . import cache_markers
+from ._documents import conversation_id_from_config, to_blocks
+from ._model_calls import _rebuilt, _segments
+
+__all__ = ["REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware"]
+
+_log = logging.getLogger(__name__)
+
+TURN_KEY = "contextpilot_turn"
+"""Where a rewritten tool result records its conversation turn (``additional_kwargs``)."""
+REQUEST_KEY = "contextpilot_request"
+"""Where a rewritten tool result records its prepared request's id (``additional_kwargs``)."""
+MAX_PENDING = 1_000
+
+
+class ContextPilotMiddleware(AgentMiddleware):
+    """ContextPilot's order, de-duplication and cache markers for a ``create_agent`` agent."""
+
+    def __init__(
+        self,
+        pilot: Any = None,
+        *,
+        provider: str | None = "auto",
+        document_tools: Sequence[str] | None = None,
+        usage_feedback: bool = False,
+    ) -> None:
+        """
+        Args:
+            pilot: a :class:`ContextPilot` (a router or micro-batcher works too).
+            provider: the hosted API whose cache to mark (``openai``, ``anthropic``,
+                ``bedrock``, ``gemini``); ``"auto"``: from the agent's model class; ``None``:
+                order and de-duplicate only.
+            usage_feedback: take the provider's cache reads short of the prediction as
+                evictions (off: a hosted API reads only at its entries, and in steps, so a
+                short read is no eviction; forget requests on a timer with ``pilot.evict``).
+            document_tools: names of the tools whose documents to handle (default: every tool that
+                returns documents as its artifact).
+        """
+        super().__init__()
+        if provider not in (None, "auto", *cache_markers.PROVIDERS):
+            raise ValueError(f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {provider!r}")
+        self.pilot = pilot if pilot is not None else ContextPilot()
+        self.provider = provider
+        self.document_tools = frozenset(document_tools) if document_tools is not None else None
+        self.usage_feedback = usage_feedback
+        self._pending: OrderedDict[str, Binding] = OrderedDict()  # request id -> prepared, until its model call
+        self._lock = threading.Lock()
+
+    # ---- tool results ----------------------------------------------------------------------------
+    def _documents(self, request: ToolCallRequest, result: Any) -> list[Document] | None:
+        if not isinstance(result, ToolMessage) or result.status == "error":
+            return None
+        names = self.document_tools
+        if names is not None and result.name not in names and request.tool_call.get("name") not in names:
+            return None
+        artifact = result.artifact
+        if isinstance(artifact, list) and artifact and all(isinstance(item, Document) for item in artifact):
+            return artifact
+        return None
+
+    def _rewritten(self, request: ToolCallRequest, result: ToolMessage, documents: list[Document]) -> ToolMessage:
+        state = request.state if isinstance(request.state, dict) else {}
+        kept = {
+            message.additional_kwargs[TURN_KEY]
+            for message in state.get("messages") or []
+            if isinstance(message, ToolMessage) and isinstance(message.additional_kwargs.get(TURN_KEY), int)
+        }
+        args = request.tool_call.get("args") or {}
+        query = " ".join(str(value) for value in args.values() if isinstance(value, str)) or str(result.content)
+        config = getattr(request.runtime, "config", None)
+        binding = prepare_bound(
+            self.pilot, to_blocks(documents), query, conversation_id_from_config(config), kept_turns=kept
+        )
+        prepared = binding.prepared
+        with self._lock:
+            self._pending[prepared.request_id] = binding
+            while len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
+        extra = {**result.additional_kwargs, REQUEST_KEY: prepared.request_id}
+        if prepared.turn is not None:
+            extra[TURN_KEY] = prepared.turn
+        return result.model_copy(
+            update={"content": prepared.render(include_question=False), "additional_kwargs": extra}
+        )
+
+    def wrap_tool_call(
+        self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]]
+    ) -> ToolMessage | Command[Any]:
+        result = handler(request)
+        documents = self._documents(request, result)
+        return result if documents is None else self._rewritten(request, result, documents)  # type: ignore[arg-type]
+
+    async def awrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+    ) -> ToolMessage | Command[Any]:
+        result = await handler(request)
+        documents = self._documents(request, result)
+        return result if documents is None else self._rewritten(request, result, documents)  # type: ignore[arg-type]
+
+    # ---- model calls -----------------------------------------------------------------------------
+    def _take(self, messages: Sequence[BaseMessage]) -> tuple[Binding | None, str | None]:
+        """The prepared request of this step's newest tool result (after the last AI
+        message) that no call took yet, and the id that tool result carries."""
+        for message in reversed(messages):
+            if isinstance(message, AIMessage):
+                break
+            rid = message.additional_kwargs.get(REQUEST_KEY) if isinstance(message, ToolMessage) else None
+            if isinstance(rid, str):
+                with self._lock:
+                    binding = self._pending.pop(rid, None)
+                if binding is not None:
+                    return binding, rid
+        return None, None
+
+    def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, Binding | None, str | None, str | None]:
+        """The request to send (markers placed), its binding, provider and tool result's id."""
+        binding, rid = self._take(request.messages)
+        if binding is None:
+            return request, None, None, None
+        system = [request.system_message] if request.system_message is not None else []
+        messages: list[BaseMessage] = [*system, *request.messages]
+        segments, places = _segments(messages)
+        binding = checked_for_sending(binding, segments)  # every reference resolvable in what is sent
+        messages = _rebuilt(messages, segments, places)
+        provider = self._resolve(request.model)
+        settings = dict(request.model_settings)
+        if provider is not None:
+            try:
+                marked = cache_markers.mark_messages(
+                    provider, cache_markers.model_name(request.model), binding, messages, settings, conversation=True
+                )
+            except (TypeError, ValueError) as exc:
+                _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
+            else:
+                binding.pilot.note_cache_plan(marked.plan)
+                messages, settings = marked.messages, marked.kwargs
+        head = messages[0] if system else None
+        overrides: dict[str, Any] = {"messages": messages[len(system) :], "model_settings": settings}
+        if isinstance(head, SystemMessage):
+            overrides["system_message"] = head
+        return request.override(**overrides), binding, provider, rid
+
+    def _resolve(self, model: Any) -> str | None:
+        if self.provider is None:
+            return None
+        if self.provider != "auto":
+            return self.provider
+        inner = getattr(model, "llm", model)  # a ContextPilotChatModel around a provider's model
+        return cache_markers.provider_of(inner)
+
+    def _report(self, binding: Binding | None, provider: str | None, response: Any) -> None:
+        if binding is None:
+            return
+        messages = getattr(response, "result", None) or []
+        answer = next((message for message in messages if isinstance(message, AIMessage)), None)
+        if answer is not None:
+            report_provider_served(
+                binding.pilot,
+                binding.prepared,
+                cache_markers.raw_usage(answer, provider),
+                provider,
+                before_tokens=binding.before_tokens,
+                usage_feedback=self.usage_feedback,
+            )
+
+    def _failed(self, binding: Binding | None, rid: str | None) -> None:
+        """The call failed: the pilot forgets the request, and a retry (``ModelRetryMiddleware``
+        around this one) takes it again, under a new id."""
+        if binding is None or rid is None:
+            return
+        report_failed(binding.pilot, binding.prepared)
+        retry = Binding(binding.pilot, binding.pilot.adopt(binding.prepared, fresh_id=True))
+        with self._lock:
+            self._pending[rid] = retry
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
+        request, binding, provider, rid = self._prepared_call(request)
+        try:
+            response = handler(request)
+        except BaseException:
+            self._failed(binding, rid)
+            raise
+        self._report(binding, provider, response)
+        return response
+
+    async def awrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
+    ) -> Any:
+        request, binding, provider, rid = self._prepared_call(request)
+        try:
+            response = await handler(request)
+        except BaseException:  # cancelled too: the request may never have left
+            self._failed(binding, rid)
+            raise
+        self._report(binding, provider, response)
+        return response

@@ -1,0 +1,154 @@
+"""The hosted providers' prompt-cache markers, on LlamaIndex chat messages.
+
+The core's ``plan_cache`` says where the shared prefix of a prepared request ends; this
+module writes it in LlamaIndex's own form, on copies of the outgoing messages:
+
+- Anthropic (``llama_index.llms.anthropic.Anthropic``): the text up to the end of a planned
+  block becomes its own ``TextBlock``, followed by a ``CachePoint`` (the Anthropic
+  integration turns it into ``cache_control`` on that block);
+- OpenAI (``llama_index.llms.openai.OpenAI``): the plan's ``prompt_cache_key`` as a call
+  argument (it goes into the request body).
+
+Markers the messages already carry count against Anthropic's limit of four.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessage, MessageRole, TextBlock
+
+from contextpilot_integrations.annotations import render_block
+from contextpilot_integrations.binding import Binding
+from contextpilot_integrations.blocks import CHARS_PER_TOKEN
+from contextpilot_integrations.hosted_keys import leading_text_key
+from contextpilot_integrations.providers import CachePlan, plan_cache
+from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
+
+__all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
+
+PROVIDERS = ("openai", "anthropic")
+MAX_MARKERS = 4
+
+
+def provider_of(llm: Any) -> str | None:
+    """The hosted provider a LlamaIndex LLM talks to, from its class (``OpenAI`` only at
+    OpenAI's own URL; ``OpenAILike`` and other engines: ``None``)."""
+    for cls in type(llm).__mro__:
+        if cls.__name__ == "Anthropic" and cls.__module__.startswith("llama_index.llms.anthropic"):
+            return "anthropic"
+        if cls.__name__ == "OpenAILike":
+            return None
+        if cls.__name__ == "OpenAI" and cls.__module__.startswith("llama_index.llms.openai"):
+            base = str(getattr(llm, "api_base", "") or "")
+            return "openai" if not base or "api.openai.com" in base else None
+    return None
+
+
+def model_name(llm: Any) -> str | None:
+    value = getattr(llm, "model", None)
+    return value if isinstance(value, str) and value else None
+
+
+@dataclass(frozen=True)
+class MarkedChat:
+    messages: list[ChatMessage]
+    kwargs: dict[str, Any]
+    plan: CachePlan
+    placed: int
+
+
+def mark_chat(
+    provider: str, model: str | None, binding: Binding, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+) -> MarkedChat:
+    """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``."""
+    prepared = binding.prepared
+    out = list(messages)
+    existing = sum(1 for message in out for block in message.blocks if isinstance(block, CachePoint))
+    budget = max(MAX_MARKERS - existing, 0)
+    needles = [render_block(block, prepared.templates) for block in prepared.blocks]
+    users = [i for i, m in enumerate(out) if m.role == MessageRole.USER]
+    last_user = users[-1] if users else -1
+    first = _locate(out, needles[0], prepared.blocks[0].text) if needles else None
+    start = 1 if out and out[0].role == MessageRole.SYSTEM else 0
+    history = out[start:last_user] if first is not None and first[0] == last_user and last_user > start else []
+    history_tokens = sum(len(_text(message)) for message in history) // CHARS_PER_TOKEN
+    depths = binding.pilot.shared_depths(prepared) if hasattr(binding.pilot, "shared_depths") else None
+    plan = plan_cache(
+        prepared,
+        provider,  # type: ignore[arg-type]
+        model,
+        prefix_tokens=max(binding.before_tokens - history_tokens, 0),
+        history_tokens=history_tokens if binding.before_tokens >= history_tokens else 0,
+        max_breakpoints=budget,
+        shared_depths=depths,
+    )
+    call_kwargs = dict(kwargs)
+    if provider == "openai" and plan.prompt_cache_key and "prompt_cache_key" not in call_kwargs:
+        key = plan.prompt_cache_key
+        if binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
+            key = leading_text_key([_text(message) for message in out])
+        call_kwargs["prompt_cache_key"] = key
+    if provider != "anthropic" or budget <= 0:
+        return MarkedChat(out, call_kwargs, plan, 0)
+    cuts: dict[tuple[int, int], list[int]] = {}
+    for index in plan.block_breakpoints[:budget]:
+        found = _locate(out, needles[index], prepared.blocks[index].text)
+        if found is not None:
+            cuts.setdefault((found[0], found[1]), []).append(found[2])
+    placed = 0
+    for (message_index, block_index), ends in sorted(cuts.items(), reverse=True):
+        out[message_index], count = _split(out[message_index], block_index, sorted(set(ends)))
+        placed += count
+    ends_to_mark = [last_user - 1] if plan.mark_history and history else []
+    if plan.mark_prefix and start == 1 and (first is None or first[0] != 0):
+        ends_to_mark.append(0)
+    for index in ends_to_mark:
+        blocks = out[index].blocks
+        if placed < budget and blocks and isinstance(blocks[-1], TextBlock) and blocks[-1].text:
+            out[index] = out[index].model_copy(update={"blocks": [*blocks, _point()]})
+            placed += 1
+    return MarkedChat(out, call_kwargs, plan, placed)
+
+
+def _point() -> CachePoint:
+    return CachePoint(cache_control=CacheControl(type="ephemeral"))
+
+
+def _text(message: ChatMessage) -> str:
+    return "".join(block.text for block in message.blocks if isinstance(block, TextBlock))
+
+
+def _locate(messages: Sequence[ChatMessage], rendered: str, text: str) -> tuple[int, int, int] | None:
+    """Where a block ends in the messages: its rendered text (``[label] text``), or, as a
+    query engine shows a node (its metadata, then its text), its own text."""
+    return _find(messages, rendered) or (_find(messages, text) if text else None)
+
+
+def _find(messages: Sequence[ChatMessage], needle: str) -> tuple[int, int, int] | None:
+    for message_index, message in enumerate(messages):
+        if message.role not in (MessageRole.SYSTEM, MessageRole.USER, MessageRole.DEVELOPER):
+            continue
+        for block_index, block in enumerate(message.blocks):
+            if isinstance(block, TextBlock):
+                position = block.text.find(needle)
+                if position != -1:
+                    return message_index, block_index, position + len(needle)
+    return None
+
+
+def _split(message: ChatMessage, block_index: int, ends: list[int]) -> tuple[ChatMessage, int]:
+    blocks = list(message.blocks)
+    text = blocks[block_index].text  # type: ignore[union-attr]
+    pieces: list[Any] = []
+    start = count = 0
+    for end in ends:
+        if end <= start:
+            continue
+        pieces += [TextBlock(text=text[start:end]), _point()]
+        start, count = end, count + 1
+    if start < len(text):
+        pieces.append(TextBlock(text=text[start:]))
+    return message.model_copy(update={"blocks": [*blocks[:block_index], *pieces, *blocks[block_index + 1 :]]}), count
