@@ -26,6 +26,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
+from .gain import Choice, annotation_tokens, choose_order, label_tokens
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -116,6 +117,8 @@ class ContextPilot:
             (``None``: never).
         max_conversations: bound on conversations tracked (least recently used go first).
         request_id_prefix: prefix of generated request ids.
+        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
+            than it is sent as without ContextPilot (see :mod:`.gain`).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -129,10 +132,14 @@ class ContextPilot:
         conversation_ttl: float | None = 3600.0,
         max_conversations: int = 10_000,
         request_id_prefix: str = "cp",
+        cache_tokens: int | None = None,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
             raise ValueError("max_live_requests must be at least 1")
+        if cache_tokens is not None:
+            _check_count("cache_tokens", cache_tokens)
+        self.cache_tokens = cache_tokens
         self.templates = templates or DEFAULT_TEMPLATES
         self.annotate_order = annotate_order
         self.max_live_requests = max_live_requests
@@ -228,6 +235,7 @@ class ContextPilot:
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
         cached_blocks = cached_tokens = 0
+        labels = True
         if turn:
             # later turns start with this conversation's own history, which no other
             # request shares: keep the retriever's order and leave the index alone
@@ -237,11 +245,17 @@ class ContextPilot:
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
+            choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None)
+            order, labels = choice.order, choice.labels
             sent = list(map(by_id.__getitem__, order))
-            cached_blocks = self._trie.insert(rid, order)
-            self._live[rid] = next(self._ticks)
-            self._orders[rid] = tuple(order)
-            self._enforce_bound()
+            if choice.cached:
+                cached_blocks = self._trie.insert(rid, order)
+                self._live[rid] = next(self._ticks)
+                self._orders[rid] = tuple(order)
+                self._enforce_bound()
+            else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
+                cached_blocks = self._trie.match_length(order) if labels else 0
+                self._strategy.forget(rid)
         sizes = [block.token_count for block in sent]
         if cached_blocks:
             cached_tokens = sum(sizes[:cached_blocks])
@@ -270,8 +284,29 @@ class ContextPilot:
             batch_index=batch_index,
             annotate_order=self.annotate_order,
             templates=self.templates,
+            labels=labels,
         )
         return prepared
+
+    def _worth_it(
+        self, order: list[str], keys: list[str], ranking: list[Block], by_id: dict[str, Block], unlabelled_ok: bool
+    ) -> Choice:
+        """The strategy's order if the reuse it buys pays for the annotation (:mod:`.gain`).
+        A conversation's blocks keep their labels: later turns refer to them by label."""
+        cache_tokens = self.cache_tokens if unlabelled_ok else None
+        if order == keys and cache_tokens is None:
+            return Choice(order)  # the common case of a kept order: nothing to weigh
+        sent = [by_id[key] for key in keys]
+        return choose_order(
+            order,
+            keys,
+            {key: by_id[key].token_count for key in keys},
+            cached=self._trie.match_length,
+            shared=lambda key: self._strategy.popularity(key) > 1,
+            annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order else 0,
+            label_cost=label_tokens(sent, self.templates),
+            cache_tokens=cache_tokens,
+        )
 
     # ---- a batch ------------------------------------------------------------------------
     def plan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:

@@ -139,7 +139,7 @@ def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     assert first.order_annotation == "" and "priority order" not in first.render()
     reordered = pilot.prepare(blocks("c", "a", "b", "d"), "q")
     assert [b.id for b in reordered.blocks][:3] == ["a", "b", "c"]
-    assert "[Doc_c] > [Doc_a] > [Doc_b] > [Doc_d]" in reordered.order_annotation
+    assert "[c] > [a] > [b] > [d]" in reordered.order_annotation
     chat = ContextPilot()
     chat.prepare(blocks("a"), "q", "c")
     later = chat.prepare(blocks("a", "b"), "q", "c")  # a is a reference after b: the order changed

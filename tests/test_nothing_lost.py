@@ -33,7 +33,7 @@ def test_updated_document_under_the_same_id_is_sent_again() -> None:
     pilot.prepare([{"id": "doc1", "text": "price 10"}], "q", conversation_id="c")
     second = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
     assert [b.text for b in second.blocks] == ["price 99"] and second.references == ()
-    # the history now holds two texts labelled Doc_doc1: never refer to either
+    # the history now holds two texts labelled doc1: never refer to either
     third = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
     assert [b.text for b in third.blocks] == ["price 99"] and third.references == ()
     # other documents are still de-duplicated

@@ -78,6 +78,10 @@ class Strategy(ABC):
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The engine no longer holds this request."""
 
+    def popularity(self, key: str) -> int:
+        """How many requests carried this block (0 where the strategy does not count)."""
+        return 0
+
     def reset(self) -> None:  # noqa: B027 - optional hook
         """The engine holds nothing."""
 
@@ -167,6 +171,9 @@ class TrieStrategy(Strategy):
     def commit(self, planned: PlannedBatch, batch: Batch) -> None:
         for _, keys in batch:
             self._count(keys)
+
+    def popularity(self, key: str) -> int:
+        return self._requested[key]
 
     def reset(self) -> None:
         self._requested = Counter()

@@ -50,12 +50,12 @@ def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
     )
     reversed_response = reordering.query(QUESTION)
     text = str(reversed_response)  # MockLLM echoes the prompt
-    assert "priority order" in text and text.index("contextpilot_label: Doc_") < text.index("priority order")
+    assert "priority order" in text and text.index("ref: ") < text.index("priority order")
     assert [n.node.node_id for n in reversed_response.source_nodes] == [n.node.node_id for n in response.source_nodes]
     assert len(response.source_nodes) == 5 and all(n.score is not None for n in response.source_nodes)
     assert all(n.node.metadata["title"] for n in response.source_nodes)
     original = index.docstore.get_node(response.source_nodes[0].node.node_id)
-    assert "contextpilot_label" not in original.metadata  # copies are labelled, the docstore is not
+    assert "ref" not in original.metadata  # copies are labelled, the docstore is not
     assert handler.events and handler.events[-1].sent
     again = engine.query(QUESTION)
     assert [n.node.node_id for n in again.source_nodes] == [n.node.node_id for n in response.source_nodes]

@@ -34,7 +34,7 @@ from tests.thread_support import in_thread
 
 ROUTINGS = Router.ROUTINGS
 POOL = {name: Block(id=name, text=f"Document {name}: " + f"the facts about {name}. " * 30) for name in "WXYZ"}
-REFERENCE = re.compile(r"Please refer to \[(Doc_[^\]]+)\]")
+REFERENCE = re.compile(r"Please refer to \[([^\]]+)\]")
 
 
 def docs(*names: str) -> list[Block]:
