@@ -26,7 +26,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
-from .gain import Choice, annotation_tokens, choose_order, label_tokens
+from .gain import Choice, annotation_tokens, choose_order, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -248,13 +248,14 @@ class ContextPilot:
             choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None)
             order, labels = choice.order, choice.labels
             sent = list(map(by_id.__getitem__, order))
+            indexed = order if labels else plain_keys(order)
             if choice.cached:
-                cached_blocks = self._trie.insert(rid, order)
+                cached_blocks = self._trie.insert(rid, indexed)
                 self._live[rid] = next(self._ticks)
-                self._orders[rid] = tuple(order)
+                self._orders[rid] = tuple(indexed)
                 self._enforce_bound()
             else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
-                cached_blocks = self._trie.match_length(order) if labels else 0
+                cached_blocks = self._trie.match_length(indexed)
                 self._strategy.forget(rid)
         sizes = [block.token_count for block in sent]
         if cached_blocks:
@@ -289,23 +290,23 @@ class ContextPilot:
         return prepared
 
     def _worth_it(
-        self, order: list[str], keys: list[str], ranking: list[Block], by_id: dict[str, Block], unlabelled_ok: bool
+        self, order: list[str], keys: list[str], ranking: list[Block], by_id: dict[str, Block], plain_ok: bool
     ) -> Choice:
-        """The strategy's order if the reuse it buys pays for the annotation (:mod:`.gain`).
-        A conversation's blocks keep their labels: later turns refer to them by label."""
-        cache_tokens = self.cache_tokens if unlabelled_ok else None
-        if order == keys and cache_tokens is None:
-            return Choice(order)  # the common case of a kept order: nothing to weigh
+        """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
+        keep their labels: later turns refer to them by label."""
         sent = [by_id[key] for key in keys]
+        trie = self._trie
         return choose_order(
             order,
             keys,
             {key: by_id[key].token_count for key in keys},
-            cached=self._trie.match_length,
+            matched=lambda keys, labelled: trie.match_length(keys if labelled else plain_keys(keys)),
             shared=lambda key: self._strategy.popularity(key) > 1,
-            annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order else 0,
+            annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order and order != keys else 0,
             label_cost=label_tokens(sent, self.templates),
-            cache_tokens=cache_tokens,
+            cache_tokens=self.cache_tokens,
+            plain_ok=plain_ok,
+            recur=self._strategy.recurrence(),
         )
 
     # ---- a batch ------------------------------------------------------------------------
@@ -494,7 +495,7 @@ class ContextPilot:
 
         Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
         """
-        order = [block.id for block in prepared.blocks]
+        order = _index_keys(prepared)
         with self._lock:
             rid = prepared.request_id
             if fresh_id or rid in self._live or rid in self._reserved:
@@ -529,7 +530,7 @@ class ContextPilot:
         _check_count("cached_blocks", cached_blocks)
         if cached_blocks >= prepared.cached_blocks:
             return 0
-        order = [block.id for block in prepared.blocks]
+        order = _index_keys(prepared)
         shortened = 0
         with self._lock:
             stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
@@ -582,7 +583,8 @@ class ContextPilot:
     def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
         """Tokens of these blocks the engine could serve from its cache if this pilot
         prepared them now: the longest live prefix they can follow (in retrieval order
-        for the ``retrieval`` strategy). What a router compares across engines."""
+        for the ``retrieval`` strategy, or sent without labels). What a router compares
+        across engines."""
         normalized, _ = normalize_blocks(blocks)
         sizes = {block.id: block.token_count for block in normalized}
         keys = list(sizes)
@@ -591,7 +593,8 @@ class ContextPilot:
                 head = keys[: self._trie.match_length(keys)]
             else:
                 head = self._trie.best_prefix(keys)
-        return sum(sizes[key] for key in head)
+            plain = keys[: self._trie.match_length(plain_keys(keys))]
+        return max(sum(sizes[key] for key in head), sum(sizes[key] for key in plain))
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
         """The predicted engine state, one entry per cached block position, pre-order:
@@ -681,6 +684,12 @@ def _gc_paused() -> Iterator[None]:
 
 _COMMIT_STEP = 64
 """Planned requests entered into the index per hold of the lock (about 2 ms)."""
+
+
+def _index_keys(prepared: PreparedRequest) -> list[str]:
+    """A request's send order as the index keys it (labelled blocks by id; see :mod:`.gain`)."""
+    order = [block.id for block in prepared.blocks]
+    return order if prepared.labels else plain_keys(order)
 
 
 def _check_query(query: object) -> None:

@@ -135,6 +135,7 @@ def test_a_restored_block_can_be_referred_to_from_the_turn_that_carried_it() -> 
 # ---- the order annotation --------------------------------------------------------------------
 def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     pilot = ContextPilot()
+    pilot.discard(pilot.prepare(blocks("a", "b", "c"), "seen before"))  # they recur: worth labelling
     first = pilot.prepare(blocks("a", "b", "c"), "q")
     assert first.order_annotation == "" and "priority order" not in first.render()
     reordered = pilot.prepare(blocks("c", "a", "b", "d"), "q")

@@ -90,8 +90,15 @@ def test_paper_section_6_through_the_pilot() -> None:
     assert pilot.stats().blocks_referenced == 3
 
 
+def seen_before(pilot: ContextPilot, blocks: list[Block]) -> None:
+    """Another request carried these blocks (then left): they recur, so labelling them pays;
+    a fresh pilot sends blocks nobody shared plain, as without ContextPilot."""
+    pilot.discard(pilot.prepare(blocks, "seen before"))
+
+
 def test_evict_and_reset_remove_predicted_hits() -> None:
     pilot = ContextPilot()
+    seen_before(pilot, as_blocks([1, 2, 3]))
     first = pilot.prepare(as_blocks([1, 2, 3]), "q")
     assert pilot.prepare(as_blocks([3, 2, 1]), "q").cached_blocks == 3
     assert pilot.evict([first.request_id, "unknown"]) == 1
@@ -192,6 +199,7 @@ def test_blocks_without_ids_and_duplicates_are_kept() -> None:
 def test_a_thousand_blocks() -> None:
     pilot = ContextPilot()
     blocks = as_blocks(list(range(1_000)))
+    seen_before(pilot, blocks)
     first = pilot.prepare(blocks, "q")
     second = pilot.prepare(list(reversed(blocks)), "q")
     assert len(first.blocks) == 1_000 and second.cached_blocks == 1_000
