@@ -16,7 +16,10 @@ Only APIs that exist before and after issue 21 are used, so the script runs on e
 (switch with ``PYTHONPATH``). It binds 127.0.0.1 only and stops its servers.
 
 Usage: python benchmarks/bench_never_worse.py [--requests 24] [--chars 120] [--k 4]
-       [--skip-engine] [--skip-simulator] [--json]
+       [--skip-engine] [--skip-simulator] [--labels-only] [--json]
+
+``--labels-only``: what the block labels, the LlamaIndex label lines and the order annotation
+cost, before issue 21 and now, in characters and llama-server tokens.
 """
 
 from __future__ import annotations
@@ -88,6 +91,77 @@ def simulator_sweep(capacities: Sequence[float], modes: Sequence[str]) -> list[S
             )
             print(f"  simulator {mode} {fraction:.1%}: done", file=sys.stderr)
     return rows
+
+
+# ---- 0. what the labels and the annotation cost -------------------------------------------------
+OLD_ORDER = "Please read the context in the following priority order: {order} and answer the question."
+"""The order annotation before issue 21 (the paper's wording), labels ``Doc_<id>``."""
+IDS = {
+    "MultiHop-RAG chunk id": ["545", "26", "700", "25"],
+    "LlamaIndex node id (uuid)": [f"3f2b8c1e-9a4d-4e6f-8b7a-1c2d3e4f5a{n:02d}" for n in range(4)],
+    "content hash (no id given)": ["557be7eca214f188", "9b1de4f3a6c07e21", "0c4e5a7b8d9f1e2a", "7a1b2c3d4e5f6071"],
+}
+
+
+def old_label(block_id: str) -> str:
+    import hashlib
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9_.:-]{1,40}", block_id):
+        return f"Doc_{block_id}"
+    return f"Doc_{hashlib.sha256(block_id.encode()).hexdigest()[:12]}"
+
+
+def label_costs(url: str | None) -> list[dict[str, Any]]:
+    """Characters (and tokens of llama-server's tokenizer, where a server is given) of the labels
+    of four blocks, the LlamaIndex label lines, and the order annotation, before and after."""
+    from contextpilot_integrations import Block
+    from contextpilot_integrations.annotations import render_order
+
+    def tokens(text: str) -> int | None:
+        if url is None:
+            return None
+        reply = httpx.post(url + "/tokenize", json={"content": text, "add_special": False}, timeout=60)
+        return len(reply.json()["tokens"])
+
+    rows = []
+    for kind, ids in IDS.items():
+        blocks = [Block(id=i, text="x") for i in ids]
+        before = {
+            "block labels": "".join(f"[{old_label(i)}] " for i in ids),
+            "LlamaIndex label lines": "".join(f"contextpilot_label: {old_label(i)}\n\n" for i in ids),
+            "order annotation": OLD_ORDER.format(order=" > ".join(f"[{old_label(i)}]" for i in reversed(ids))),
+        }
+        after = {
+            "block labels": "".join(f"[{b.label}] " for b in blocks),
+            "LlamaIndex label lines": "".join(f"ref: {b.label}\n\n" for b in blocks),
+            "order annotation": render_order(list(reversed(blocks))),
+        }
+        for part in before:
+            rows.append(
+                {
+                    "ids": kind,
+                    "part": part,
+                    "chars_before": len(before[part]),
+                    "chars_after": len(after[part]),
+                    "tokens_before": tokens(before[part]),
+                    "tokens_after": tokens(after[part]),
+                }
+            )
+    return rows
+
+
+def print_label_costs(rows: Sequence[dict[str, Any]]) -> None:
+    print("\nlabels and annotation of four blocks (tokens: llama-server's tokenizer, the tiny test model)")
+    head = f"{'ids':<28}{'part':<24}{'chars before':>13}{'after':>7}{'tokens before':>15}{'after':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['ids']:<28}{r['part']:<24}{r['chars_before']:>13}{r['chars_after']:>7}"
+            f"{r['tokens_before'] if r['tokens_before'] is not None else '-':>15}"
+            f"{r['tokens_after'] if r['tokens_after'] is not None else '-':>7}"
+        )
 
 
 # ---- 2. llama-server, one slot ------------------------------------------------------------------
@@ -410,11 +484,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--frameworks", default="langchain,llamaindex")
     parser.add_argument("--capacities", default=",".join(str(c) for c in CAPACITIES))
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--labels-only", action="store_true", help="only what the labels and annotation cost")
     parser.add_argument("--skip-simulator", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     report: dict[str, Any] = {}
+    if args.labels_only:
+        with tempfile.TemporaryDirectory() as workdir, fresh_server(Path(workdir)) as url:
+            costs = label_costs(url)
+        if args.json:
+            print(json.dumps({"labels": costs}, indent=2))
+        else:
+            print_label_costs(costs)
+        return 0
     if not args.skip_simulator:
         sim = simulator_sweep([float(c) for c in args.capacities.split(",")], modes)
         report["simulator"] = [{**asdict(r), "sign": r.sign} for r in sim]
