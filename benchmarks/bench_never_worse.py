@@ -441,6 +441,7 @@ def engine_passes(work: Workload, modes: Sequence[str], frameworks: Sequence[str
                     name = "ContextPilot" if ours else "without"
                     print(f"  {framework} {mode} {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
                 rows.append(EngineRow(framework, mode, counts[False], counts[True]))
+                print(f"  {json.dumps(rows[-1].as_json())}", file=sys.stderr)  # kept if a later pass fails
     return rows
 
 
