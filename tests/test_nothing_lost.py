@@ -131,7 +131,7 @@ def test_plan_with_one_bad_request_records_nothing(strategy: str, bad: dict[str,
 @pytest.mark.parametrize("count", [math.nan, 1.5, -1, True, "2", None])
 def test_truncate_and_restore_refuse_bad_counts(count: object) -> None:
     pilot = ContextPilot("retrieval")
-    rid = pilot.prepare([{"id": k, "text": f"text {k}"} for k in "abc"], "q").request_id
+    rid = pilot.prepare([{"id": k, "text": f"text {k} " * 20} for k in "abc"], "q").request_id
     before = snapshot(pilot)
     with pytest.raises((TypeError, ValueError)):
         pilot.truncate(rid, count)  # type: ignore[arg-type]
