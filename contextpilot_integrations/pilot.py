@@ -118,7 +118,9 @@ class ContextPilot:
         max_conversations: bound on conversations tracked (least recently used go first).
         request_id_prefix: prefix of generated request ids.
         cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
-            than it is sent as without ContextPilot (see :mod:`.gain`).
+            than it is not indexed (see :mod:`.gain`).
+        plain_prompts: send a request that shares nothing and carries no recurring block
+            without labels, as without ContextPilot (``False``: every block labelled).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -133,6 +135,7 @@ class ContextPilot:
         max_conversations: int = 10_000,
         request_id_prefix: str = "cp",
         cache_tokens: int | None = None,
+        plain_prompts: bool = True,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
@@ -140,6 +143,7 @@ class ContextPilot:
         if cache_tokens is not None:
             _check_count("cache_tokens", cache_tokens)
         self.cache_tokens = cache_tokens
+        self.plain_prompts = plain_prompts
         self.templates = templates or DEFAULT_TEMPLATES
         self.annotate_order = annotate_order
         self.max_live_requests = max_live_requests
@@ -245,7 +249,7 @@ class ContextPilot:
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
-            choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None)
+            choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None and self.plain_prompts)
             order, labels = choice.order, choice.labels
             sent = list(map(by_id.__getitem__, order))
             indexed = order if labels else plain_keys(order)
