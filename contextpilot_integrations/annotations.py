@@ -29,7 +29,7 @@ class Templates(BaseModel):
     block: str = "[{label}] {text}"
     separator: str = "\n\n"
     reference: str = "Please refer to [{label}] in the previous conversation."
-    order: str = "Please read the context in the following priority order: {order} and answer the question."
+    order: str = "Context in priority order: {order}."
     order_item: str = "[{label}]"
     order_joiner: str = " > "
     question: str = "Question: {query}"
@@ -54,9 +54,10 @@ class Templates(BaseModel):
 DEFAULT_TEMPLATES = Templates()
 
 
-def render_block(block: Block, templates: Templates = DEFAULT_TEMPLATES) -> str:
-    """A block's prompt text. Depends on the block alone, so prefixes stay byte-identical."""
-    return templates.block.format(label=block.label, text=block.text)
+def render_block(block: Block, templates: Templates = DEFAULT_TEMPLATES, labelled: bool = True) -> str:
+    """A block's prompt text. Depends on the block alone, so prefixes stay byte-identical;
+    unlabelled, the text alone (the prompt a user sends without ContextPilot)."""
+    return templates.block.format(label=block.label, text=block.text) if labelled else block.text
 
 
 def render_reference(block: Block, templates: Templates = DEFAULT_TEMPLATES) -> str:

@@ -7,6 +7,7 @@ the id given by the caller, otherwise a hash of the text.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,10 @@ from .usage import MAX_TOKENS
 
 __all__ = ["Block", "BlockLike", "content_id", "normalize_blocks"]
 
-_LABEL_SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
+_SHORT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,8}")
+LABEL_HASH_CHARS = 6
+"""Characters of a label derived from a long id (base32: 30 bits, so two blocks of one
+prompt share a label about once in 10^7 prompts of 15 blocks)."""
 CHARS_PER_TOKEN = 4
 """Characters a token, roughly: the estimate used when no token count is given."""
 
@@ -68,10 +72,13 @@ class Block(BaseModel):
 
     @cached_property
     def label(self) -> str:
-        """Stable label such as ``Doc_545``: derived from the id alone."""
-        if _LABEL_SAFE_ID.fullmatch(self.id):
-            return f"Doc_{self.id}"
-        return f"Doc_{hashlib.sha256(self.id.encode('utf-8')).hexdigest()[:12]}"
+        """Stable label, as short as a stable identity allows: a short id as given (``545``),
+        else :data:`LABEL_HASH_CHARS` base32 characters of its SHA-256 (``k3x9ab``). Derived
+        from the id alone; every block of every prompt pays for it, so it is kept short."""
+        if _SHORT_ID.fullmatch(self.id):
+            return self.id
+        digest = hashlib.sha256(self.id.encode("utf-8")).digest()
+        return base64.b32encode(digest).decode("ascii")[:LABEL_HASH_CHARS].lower()
 
     @cached_property
     def token_count(self) -> int:

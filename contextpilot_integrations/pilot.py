@@ -27,6 +27,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
+from .gain import Choice, annotation_tokens, choose_order, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -146,6 +147,10 @@ class ContextPilot:
             ``"nats://127.0.0.1:4222"`` or :class:`~contextpilot_integrations.shared.SharedOptions`
             (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
             See :mod:`contextpilot_integrations.shared`.
+        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
+            than it is not indexed (see :mod:`.gain`).
+        plain_prompts: send a request that shares nothing and carries no recurring block
+            without labels, as without ContextPilot (``False``: every block labelled).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -160,10 +165,16 @@ class ContextPilot:
         max_conversations: int = 10_000,
         request_id_prefix: str = "cp",
         shared: Any = None,
+        cache_tokens: int | None = None,
+        plain_prompts: bool = True,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
             raise ValueError("max_live_requests must be at least 1")
+        if cache_tokens is not None:
+            _check_count("cache_tokens", cache_tokens)
+        self.cache_tokens = cache_tokens
+        self.plain_prompts = plain_prompts
         self.templates = templates or DEFAULT_TEMPLATES
         self.annotate_order = annotate_order
         self.max_live_requests = max_live_requests
@@ -284,6 +295,7 @@ class ContextPilot:
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
         cached_blocks = cached_tokens = 0
+        labels = True
         if turn:
             # later turns start with this conversation's own history, which no other
             # request shares: keep the retriever's order and leave the index alone
@@ -293,13 +305,20 @@ class ContextPilot:
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
+            choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None and self.plain_prompts)
+            order, labels = choice.order, choice.labels
             sent = list(map(by_id.__getitem__, order))
-            cached_blocks = self._trie.insert(rid, order)
-            self._live[rid] = next(self._ticks)
-            self._orders[rid] = tuple(order)
-            self._enforce_bound()
-            if self._observers:
-                self._notify("sent", rid, tuple(order), tuple([block.token_count for block in sent]))
+            indexed = order if labels else plain_keys(order)
+            if choice.cached:
+                cached_blocks = self._trie.insert(rid, indexed)
+                self._live[rid] = next(self._ticks)
+                self._orders[rid] = tuple(indexed)
+                self._enforce_bound()
+                if self._observers:
+                    self._notify("sent", rid, tuple(indexed), tuple([block.token_count for block in sent]))
+            else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
+                cached_blocks = self._trie.match_length(indexed)
+                self._strategy.forget(rid)
         sizes = [block.token_count for block in sent]
         if cached_blocks:
             cached_tokens = sum(sizes[:cached_blocks])
@@ -328,8 +347,29 @@ class ContextPilot:
             batch_index=batch_index,
             annotate_order=self.annotate_order,
             templates=self.templates,
+            labels=labels,
         )
         return prepared
+
+    def _worth_it(
+        self, order: list[str], keys: list[str], ranking: list[Block], by_id: dict[str, Block], plain_ok: bool
+    ) -> Choice:
+        """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
+        keep their labels: later turns refer to them by label."""
+        sent = [by_id[key] for key in keys]
+        trie = self._trie
+        return choose_order(
+            order,
+            keys,
+            {key: by_id[key].token_count for key in keys},
+            matched=lambda keys, labelled: trie.match_length(keys if labelled else plain_keys(keys)),
+            shared=lambda key: self._strategy.popularity(key) > 1,
+            annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order and order != keys else 0,
+            label_cost=label_tokens(sent, self.templates),
+            cache_tokens=self.cache_tokens,
+            plain_ok=plain_ok,
+            recur=self._strategy.recurrence(),
+        )
 
     # ---- a batch ------------------------------------------------------------------------
     def plan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
@@ -574,7 +614,7 @@ class ContextPilot:
 
         Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
         """
-        order = [block.id for block in prepared.blocks]
+        order = _index_keys(prepared)
         with self._lock:
             rid = prepared.request_id
             if fresh_id or rid in self._live or rid in self._reserved:
@@ -611,7 +651,7 @@ class ContextPilot:
         _check_count("cached_blocks", cached_blocks)
         if cached_blocks >= prepared.cached_blocks:
             return 0
-        order = [block.id for block in prepared.blocks]
+        order = _index_keys(prepared)
         shortened = 0
         with self._lock:
             stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
@@ -664,7 +704,8 @@ class ContextPilot:
     def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
         """Tokens of these blocks the engine could serve from its cache if this pilot
         prepared them now: the longest live prefix they can follow (in retrieval order
-        for the ``retrieval`` strategy). What a router compares across engines."""
+        for the ``retrieval`` strategy, or sent without labels). What a router compares
+        across engines."""
         normalized, _ = normalize_blocks(blocks)
         sizes = {block.id: block.token_count for block in normalized}
         keys = list(sizes)
@@ -673,7 +714,8 @@ class ContextPilot:
                 head = keys[: self._trie.match_length(keys)]
             else:
                 head = self._trie.best_prefix(keys)
-        return sum(sizes[key] for key in head)
+            plain = keys[: self._trie.match_length(plain_keys(keys))]
+        return max(sum(sizes[key] for key in head), sum(sizes[key] for key in plain))
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
         """The predicted engine state, one entry per cached block position, pre-order:
@@ -796,6 +838,12 @@ def _gc_paused() -> Iterator[None]:
 
 _COMMIT_STEP = 64
 """Planned requests entered into the index per hold of the lock (about 2 ms)."""
+
+
+def _index_keys(prepared: PreparedRequest) -> list[str]:
+    """A request's send order as the index keys it (labelled blocks by id; see :mod:`.gain`)."""
+    order = [block.id for block in prepared.blocks]
+    return order if prepared.labels else plain_keys(order)
 
 
 def _check_query(query: object) -> None:

@@ -51,13 +51,16 @@ class PreparedRequest:
     """Position in the batch given to :meth:`ContextPilot.plan`."""
     annotate_order: bool = True
     templates: Templates = field(default=DEFAULT_TEMPLATES, repr=False)
+    labels: bool = True
+    """Whether the blocks carry their labels. False for a request sent exactly as without
+    ContextPilot (retriever's order, no annotation): one too large for the engine's cache."""
 
     @property
     def order_annotation(self) -> str:
         """The retriever's ranking restated by label; empty when disabled, or when the model
         reads the blocks in the retriever's order anyway (a prompt without ContextPilot
         carries no annotation, so neither does one ContextPilot did not reorder)."""
-        if not self.annotate_order or not self.ranking:
+        if not self.annotate_order or not self.ranking or not self.labels:
             return ""
         read = [block.id for block in self.blocks] + [reference.block.id for reference in self.references]
         if read == [block.id for block in self.ranking]:
@@ -78,7 +81,7 @@ class PreparedRequest:
 
     def render_context(self) -> str:
         """The blocks (the shareable prefix), then the location references."""
-        parts = [render_block(block, self.templates) for block in self.blocks]
+        parts = [render_block(block, self.templates, self.labels) for block in self.blocks]
         parts.extend(reference.text for reference in self.references)
         return self.templates.separator.join(parts)
 

@@ -7,13 +7,14 @@ from contextpilot_integrations import Block, Templates, parse_order_annotation, 
 from contextpilot_integrations.annotations import render_order, render_reference
 
 
-def test_paper_templates() -> None:
+def test_default_templates_are_compact() -> None:
+    """The paper's wording cost 83 characters plus the labels; this one 28 (issue 21)."""
     blocks = [Block(id=i, text=f"text {i}") for i in ("2", "1", "4")]
-    assert render_order(blocks) == (
-        "Please read the context in the following priority order: [Doc_2] > [Doc_1] > [Doc_4] and answer the question."
-    )
-    assert render_reference(blocks[2]) == "Please refer to [Doc_4] in the previous conversation."
-    assert render_block(blocks[0]) == "[Doc_2] text 2"
+    assert render_order(blocks) == "Context in priority order: [2] > [1] > [4]."
+    assert parse_order_annotation(render_order(blocks)) == ["2", "1", "4"]
+    assert render_reference(blocks[2]) == "Please refer to [4] in the previous conversation."
+    assert render_block(blocks[0]) == "[2] text 2"
+    assert render_block(blocks[0], labelled=False) == "text 2"  # as sent without ContextPilot
 
 
 def test_order_annotation_round_trips_with_custom_templates() -> None:

@@ -15,17 +15,26 @@ from contextpilot_integrations.blocks import normalize_blocks
 def test_id_defaults_to_content_hash_and_is_stable() -> None:
     a, b = Block(text="Paris is the capital of France."), Block(text="Paris is the capital of France.")
     assert a.id == b.id == content_id("Paris is the capital of France.")
-    assert a.label == b.label and a.label.startswith("Doc_")
+    assert a.label == b.label and len(a.label) == 6 and a.label.isalnum()  # 16 hex digits hashed down to 6
+
+
+def test_labels_are_short_and_stable() -> None:
+    """Every block of every prompt carries its label: a long id costs six characters, not 40."""
+    uuid = "3f2b8c1e-9a4d-4e6f-8b7a-1c2d3e4f5a6b"
+    assert Block(id=uuid, text="x").label == Block(id=uuid, text="other text").label  # the id alone decides
+    assert len(Block(id=uuid, text="x").label) == 6
+    assert Block(id="chunk-12", text="x").label == "chunk-12"  # short ids as given
+    assert len({Block(id=f"node-{n:06d}", text="x").label for n in range(20_000)}) >= 19_999
 
 
 def test_given_id_is_kept_and_int_ids_become_str() -> None:
-    assert Block(id="545", text="x").label == "Doc_545"
+    assert Block(id="545", text="x").label == "545"
     assert Block(id=545, text="x").id == "545"  # type: ignore[arg-type]
 
 
 def test_unsafe_ids_get_a_hashed_label_without_brackets() -> None:
     block = Block(id="https://example.org/a b]c", text="x")
-    assert block.label.startswith("Doc_") and "]" not in block.label and " " not in block.label
+    assert len(block.label) == 6 and "]" not in block.label and " " not in block.label
 
 
 @pytest.mark.parametrize("text", ["", "   \n"])

@@ -144,7 +144,11 @@ def test_best_prefix_finds_what_the_reference_search_finds(ops: list[tuple[bool,
 
 def test_popular_blocks_go_first_and_ties_keep_retrieval_order() -> None:
     pilot = ContextPilot()
-    for texts in (["hot"], ["hot"], ["hot", "warm"]):
-        pilot.evict([pilot.prepare(texts, "q").request_id])  # counted, then gone from the cache
-    sent = pilot.prepare(["n1", "warm", "n2", "hot", "n3"], "q")
-    assert [b.text for b in sent.blocks] == ["hot", "warm", "n1", "n2", "n3"]
+
+    def docs(*names: str) -> list[dict[str, str]]:  # about 100 tokens each: the reuse pays for the annotation
+        return [{"id": name, "text": f"{name} " * 100} for name in names]
+
+    for names in (["hot"], ["hot"], ["hot", "warm"]):
+        pilot.evict([pilot.prepare(docs(*names), "q").request_id])  # counted, then gone from the cache
+    sent = pilot.prepare(docs("n1", "warm", "n2", "hot", "n3"), "q")
+    assert [b.id for b in sent.blocks] == ["hot", "warm", "n1", "n2", "n3"]

@@ -33,7 +33,7 @@ def test_updated_document_under_the_same_id_is_sent_again() -> None:
     pilot.prepare([{"id": "doc1", "text": "price 10"}], "q", conversation_id="c")
     second = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
     assert [b.text for b in second.blocks] == ["price 99"] and second.references == ()
-    # the history now holds two texts labelled Doc_doc1: never refer to either
+    # the history now holds two texts labelled doc1: never refer to either
     third = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
     assert [b.text for b in third.blocks] == ["price 99"] and third.references == ()
     # other documents are still de-duplicated
@@ -131,7 +131,7 @@ def test_plan_with_one_bad_request_records_nothing(strategy: str, bad: dict[str,
 @pytest.mark.parametrize("count", [math.nan, 1.5, -1, True, "2", None])
 def test_truncate_and_restore_refuse_bad_counts(count: object) -> None:
     pilot = ContextPilot("retrieval")
-    rid = pilot.prepare([{"id": k, "text": f"text {k}"} for k in "abc"], "q").request_id
+    rid = pilot.prepare([{"id": k, "text": f"text {k} " * 20} for k in "abc"], "q").request_id
     before = snapshot(pilot)
     with pytest.raises((TypeError, ValueError)):
         pilot.truncate(rid, count)  # type: ignore[arg-type]

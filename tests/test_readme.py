@@ -49,7 +49,7 @@ def test_every_python_block_runs(readme: Path, llama: LlamaServer) -> None:
         for documented in (
             "['545', '26', '700']",
             "['901']",
-            "priority order: [Doc_26] > [Doc_545] > [Doc_901] and answer the question.",
+            "Context in priority order: [26] > [545] > [901].",
             "['545', '26', '901'] 2",
             "'cache_read'",
             "reports: 1\n",

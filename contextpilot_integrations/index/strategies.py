@@ -78,6 +78,15 @@ class Strategy(ABC):
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The engine no longer holds this request."""
 
+    def popularity(self, key: str) -> int:
+        """How many requests carried this block (0 where the strategy does not count)."""
+        return 0
+
+    def recurrence(self) -> float:
+        """The share of blocks requested that an earlier request carried too (1.0 where the
+        strategy does not count: assume blocks recur)."""
+        return 1.0
+
     def reset(self) -> None:  # noqa: B027 - optional hook
         """The engine holds nothing."""
 
@@ -124,9 +133,12 @@ class TrieStrategy(Strategy):
         self.merge_penalty = merge_penalty
         self.max_tracked_blocks = max_tracked_blocks
         self._requested: Counter[str] = Counter()  # block -> requests that carried it (decayed)
+        self._blocks_counted = self._blocks_recurring = 0
 
     def _count(self, keys: Sequence[str]) -> None:
         requested = self._requested
+        self._blocks_counted += len(keys)
+        self._blocks_recurring += sum(map(bool, map(requested.__getitem__, keys)))
         requested.update(keys)  # counted in C
         if len(requested) > self.max_tracked_blocks:
             self._decay()
@@ -168,8 +180,15 @@ class TrieStrategy(Strategy):
         for _, keys in batch:
             self._count(keys)
 
+    def popularity(self, key: str) -> int:
+        return self._requested[key]
+
+    def recurrence(self) -> float:
+        return self._blocks_recurring / self._blocks_counted if self._blocks_counted else 0.0
+
     def reset(self) -> None:
         self._requested = Counter()
+        self._blocks_counted = self._blocks_recurring = 0
 
 
 class PaperStrategy(Strategy):

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -215,14 +215,14 @@ class _Workloads:
 
     def run(self, mode: str, name: str, url: str, progress: bool) -> EnginePass:
         ours = name == "contextpilot"
-        pilot = ContextPilot() if ours else ContextPilot("retrieval")
+        pilot = ContextPilot() if ours else ContextPilot("retrieval")  # the baseline sends its prompts plain
         record = EnginePass(mode, name)
         total = len(self.chat if mode == "chat" else self.single)
         bar = tqdm(total=total, desc=f"{mode}: {name}", unit="req", leave=False, disable=not progress)
         start = time.perf_counter()
         try:
             with OpenAICompatClient(url, pilot, model=self.args.model, timeout=600) as client:
-                send = _Sender(client, record, bar)
+                send = _Sender(client, record, bar, plain=not ours)
                 if mode == "chat":
                     self._chat(pilot, send, ours)
                 elif mode == "offline" and ours:
@@ -261,7 +261,8 @@ class _Workloads:
                     kept_turns=kept if deduplicate else None,
                 )
                 answer = send(prepared, [m for turn in kept for m in turns[turn]], self.args.answer_tokens)
-                turns.append([{"role": "user", "content": prepared.render()}, {"role": "assistant", "content": answer}])
+                user = (prepared if deduplicate else replace(prepared, labels=False)).render()
+                turns.append([{"role": "user", "content": user}, {"role": "assistant", "content": answer}])
             depth += 1
 
 
@@ -270,8 +271,11 @@ class _Sender:
     client: OpenAICompatClient
     record: EnginePass
     bar: Any
+    plain: bool = False
 
     def __call__(self, prepared: PreparedRequest, history: list[dict[str, str]] | None = None, answer: int = 1) -> str:
+        if self.plain:  # the prompt a user sends without ContextPilot: no labels, no annotation
+            prepared = replace(prepared, labels=False)
         result = self.client.chat(
             prepared, system_prompt=SYSTEM_PROMPT, history=history, max_tokens=max(1, answer), temperature=0
         )

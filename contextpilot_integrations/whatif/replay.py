@@ -26,11 +26,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from ..annotations import DEFAULT_TEMPLATES, render_order
 from ..blocks import Block
+from ..gain import label_tokens
 from ..pilot import BatchRequest, ContextPilot
 from ..prepared import PreparedRequest
 from .simulate import BlockSpec, RadixCacheSimulator, SimulatedRequest
@@ -73,6 +74,9 @@ class PromptShape:
     """Whether prompts carry the order annotation."""
     questions: bool = True
     """Whether prompts carry the question (off only to measure block reuse alone)."""
+    labels: bool = True
+    """Whether blocks carry their labels (``[545] text``): ContextPilot's prompts do; the
+    baseline, the prompt a user sends without ContextPilot, does not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,12 @@ def prompt_units(
     """A request's own prompt as cache units: blocks (shared by id), then its references,
     annotation and question (its own). Returns (units, block tokens, reference tokens)."""
     rid = prepared.request_id
-    units: list[BlockSpec] = [(("block", b.id), b.token_count) for b in prepared.blocks]
+    if shape.labels and prepared.labels:
+        units: list[BlockSpec] = [
+            (("block", b.id), b.token_count + label_tokens([b], prepared.templates)) for b in prepared.blocks
+        ]
+    else:  # as sent without ContextPilot: the text alone (not the same prefix as a labelled block)
+        units = [(("plain", b.id), b.token_count) for b in prepared.blocks]
     block_tokens = sum(tokens for _, tokens in units)
     reference_tokens = 0
     for reference in prepared.references:
@@ -237,6 +246,11 @@ def _feedback(
     """
     if feedback == "none":
         return
+    if served.oversized and feedback != "usage" and prepared.request_id in offsets:
+        # the engine stored nothing of it: no store events came (the events say so), so the
+        # index must not predict its blocks for later requests
+        pilot.evict([prepared.request_id])
+        offsets.pop(prepared.request_id, None)
     if feedback == "usage":
         layout = offsets.get(prepared.request_id)
         if layout is not None:
@@ -288,7 +302,9 @@ def replay(
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
     shape = shape or PromptShape()
-    pilot = ContextPilot(strategy, max_live_requests=max(len(trace), 1))
+    if strategy == "retrieval" and not (mode == "chat" and deduplicate):  # the prompt without ContextPilot
+        shape = replace(shape, labels=False)
+    pilot = ContextPilot(strategy, max_live_requests=max(len(trace), 1), cache_tokens=capacity_tokens)
     cache = RadixCacheSimulator(capacity_tokens)
     run = _Run(trace, pilot, cache, shape, plan_out, on_request)
     if mode == "offline":
@@ -483,6 +499,8 @@ def replay_routed(
     from ..engines.router import Router, Target
 
     shape = shape or PromptShape()
+    if strategy == "retrieval":  # the prompt without ContextPilot
+        shape = replace(shape, labels=False)
     router = Router(
         [Target(f"engine-{n}", f"simulated://{n}") for n in range(targets)],
         strategy=strategy,

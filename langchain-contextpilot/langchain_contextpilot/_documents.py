@@ -60,7 +60,7 @@ def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> l
     ranks = {block.id: rank for rank, block in enumerate(prepared.ranking)}
     out = []
     for position, block in enumerate(prepared.blocks):
-        rendered = render_block(block, prepared.templates)
+        rendered = render_block(block, prepared.templates, prepared.labels)
         info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "text": rendered}
         out.append(_annotated(by_id[block.id], {**info, "reference": None}))
     for reference in prepared.references:

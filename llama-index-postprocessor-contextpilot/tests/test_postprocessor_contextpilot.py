@@ -38,6 +38,13 @@ class _Reverse(BaseNodePostprocessor):
         return nodes[::-1]
 
 
+class _Rotate(BaseNodePostprocessor):
+    """A third order: the first node last."""
+
+    def _postprocess_nodes(self, nodes: list[Any], query_bundle: Any = None) -> list[Any]:
+        return [*nodes[1:], nodes[0]]
+
+
 def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
     handler = _Events()
     get_dispatcher().add_event_handler(handler)
@@ -45,17 +52,28 @@ def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
     engine = index.as_query_engine(similarity_top_k=5, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)])
     response = engine.query(QUESTION)
     assert "priority order" not in str(response)  # a fresh pilot keeps the retriever's order: nothing to restate
-    reordering = index.as_query_engine(
+    assert "ref: " not in str(response)  # and shares nothing yet: the nodes as retrieved, unlabelled
+    reversing = index.as_query_engine(
         similarity_top_k=5, node_postprocessors=[_Reverse(), ContextPilotPostprocessor(pilot=pilot)]
     )
-    reversed_response = reordering.query(QUESTION)
-    text = str(reversed_response)  # MockLLM echoes the prompt
-    assert "priority order" in text and text.index("contextpilot_label: Doc_") < text.index("priority order")
-    assert [n.node.node_id for n in reversed_response.source_nodes] == [n.node.node_id for n in response.source_nodes]
+    reversed_response = reversing.query(QUESTION)  # the nodes recur: labelled, in this order
+    assert "ref: " in str(reversed_response) and "priority order" not in str(reversed_response)
+    rotating = index.as_query_engine(
+        similarity_top_k=5, node_postprocessors=[_Rotate(), ContextPilotPostprocessor(pilot=pilot)]
+    )
+    rotated = rotating.query(QUESTION)  # sent in the labelled order, the ranking restated
+    text = str(rotated)  # MockLLM echoes the prompt
+    assert "priority order" in text and text.index("ref: ") < text.index("priority order")
+    ids = [n.node.node_id for n in rotated.source_nodes]
+    assert (
+        ids
+        == [n.node.node_id for n in reversed_response.source_nodes]
+        == [n.node.node_id for n in response.source_nodes][::-1]
+    )
     assert len(response.source_nodes) == 5 and all(n.score is not None for n in response.source_nodes)
     assert all(n.node.metadata["title"] for n in response.source_nodes)
     original = index.docstore.get_node(response.source_nodes[0].node.node_id)
-    assert "contextpilot_label" not in original.metadata  # copies are labelled, the docstore is not
+    assert "ref" not in original.metadata  # copies are labelled, the docstore is not
     assert handler.events and handler.events[-1].sent
     again = engine.query(QUESTION)
     assert [n.node.node_id for n in again.source_nodes] == [n.node.node_id for n in response.source_nodes]

@@ -33,7 +33,7 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str
 
 
 def test_a_request_through_pages_stored_before_we_listened_is_not_predicted_cached() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(4))
     doc = Block(id="x", text="t")
     sink.apply(batch(5, stored([99], None, [9, 9, 9, 9])))
@@ -46,7 +46,7 @@ def test_a_request_through_pages_stored_before_we_listened_is_not_predicted_cach
 
 
 def test_the_engines_cached_tokens_anchor_unseen_pages_and_removals_map_again() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(4))
     docs = [Block(id="a", text="a" * 40), Block(id="b", text="b" * 40)]
     sink.apply(batch(5, stored([11], 10, [5, 6, 7, 8])))  # the request's own new page, below unseen page 0
@@ -74,7 +74,7 @@ def test_an_anchored_page_learns_its_hash_from_a_block_stored_after_the_report()
 
 
 def test_requests_waiting_on_an_anchored_page_grow_with_it() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(4))
     doc = Block(id="x", text="t" * 20)
     sink.apply(batch(0, stored([50], None, [0, 0, 0, 0])))
@@ -114,7 +114,7 @@ def test_block_ends_match_a_prompt_built_from_the_blocks(blocks: list[list[int]]
 def test_subscribing_to_a_running_engine_keeps_the_requests_in_flight() -> None:
     """The first batch a late subscriber hears is not number 0: that is a late start, not
     lost knowledge, so the request sent meanwhile stays predicted once the events confirm it."""
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(4))
     doc = Block(id="x", text="t" * 20)
     first = pilot.prepare([doc], "q1")

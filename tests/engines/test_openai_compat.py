@@ -27,10 +27,17 @@ def docs(*names: str, size: int = 700) -> list[Block]:
     return [Block(id=name, text=(f"{name} is a document about topic {name}. " * 40)[:size]) for name in names]
 
 
+def seen_before(pilot: ContextPilot, blocks: list[Block]) -> None:
+    """Another request carried these blocks (then left): they recur, so labelling them pays;
+    a fresh pilot sends blocks nobody shared plain, as without ContextPilot."""
+    pilot.discard(pilot.prepare(blocks, "seen before"))
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_reordered_prefix_is_served_from_cache(llama: LlamaServer, stream: bool) -> None:
     pilot = ContextPilot()
     client = OpenAICompatClient(llama.url, pilot)
+    seen_before(pilot, docs("a", "b", "c"))
     first = pilot.prepare(docs("a", "b", "c"), "What is a?")
     cold = client.chat(first, max_tokens=2, stream=stream)
     # the same documents in another retrieval order: ContextPilot sends them in the same order
@@ -171,6 +178,7 @@ def test_cached_token_reports_keep_the_index_true(llama: LlamaServer, feedback: 
     reports are the only feedback, and the index shrinks to what the server reports."""
     pilot = ContextPilot()
     client = OpenAICompatClient(llama.url, pilot, engine="llamacpp", usage_feedback=feedback)
+    seen_before(pilot, docs("a", "b", "c"))
     first = pilot.prepare(docs("a", "b", "c"), "q1")
     client.chat(first, max_tokens=1)
     client.chat(pilot.prepare(docs("x", "y", "z"), "q2"), max_tokens=1)  # the slot now holds only this

@@ -25,8 +25,17 @@ def docs(*names: str, size: int = 400) -> list[Block]:
 TARGETS = [Target("a", "http://127.0.0.1:1"), Target("b", "http://127.0.0.1:2"), Target("c", "http://127.0.0.1:3")]
 
 
+def seen_before(router: Router, blocks: list[Block]) -> None:
+    """Other requests carried these blocks (then left): they recur, so every pilot labels them
+    (a fresh pilot sends blocks nobody shared plain, as without ContextPilot)."""
+    for target in router.targets:
+        pilot = router.pilot(target)
+        pilot.discard(pilot.prepare(blocks, "seen before"))
+
+
 def test_cache_rule_sends_a_request_where_its_prefix_lives() -> None:
     router = Router(TARGETS)
+    seen_before(router, docs("x", "y", "z"))
     first = router.prepare(docs("x", "y", "z"), "q")
     second = router.prepare(docs("z", "y", "x", "w"), "q")
     assert second.target == first.target and second.reason == "cache"
@@ -140,6 +149,7 @@ def test_routing_client_reuses_prefixes_and_routes_around_a_dead_replica(replica
     targets = [Target(f"r{n}", s.url, engine="llamacpp") for n, s in enumerate(replicas)]
     dead = Target("dead", f"http://127.0.0.1:{free_port()}", engine="llamacpp")
     router = Router([dead, *targets])
+    seen_before(router, docs("a", "b", "c"))
     with RoutingClient(router, timeout=30) as client:
         served = [client.chat(docs("a", "b", "c", f"own{i}"), f"q{i}", max_tokens=1) for i in range(4)]
         served += [client.chat(docs("x", "y", "z", f"more{i}"), f"p{i}", max_tokens=1) for i in range(4)]
@@ -156,6 +166,7 @@ def test_routing_client_pins_llama_server_slots(tmp_path: Path) -> None:
     try:
         targets = [Target(f"slot{n}", server.url, slot=n, engine="llamacpp") for n in range(2)]
         router = Router(targets)
+        seen_before(router, docs("a", "b", "c"))
         with RoutingClient(router, timeout=60) as client:
             a = client.chat(docs("a", "b", "c"), "q", max_tokens=1)
             b = client.chat(docs("x", "y", "z"), "q", max_tokens=1)  # no shared prefix: the other slot

@@ -92,7 +92,7 @@ def test_sglang_zmq_events_keep_the_index_true(ports: tuple[int, int], drop: set
     sizes, tokens_of, blocks, weights = block_workload(random.Random(7))
     cache, allocator = build_cache("unified-rust", capacity=48)
     cache.take_events()
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(page_size=1))
     pub_port, replay_port = ports
     publisher = ZmqEventPublisher(
@@ -144,7 +144,7 @@ def test_a_gap_the_replay_cannot_fill_resets_the_index(ports: tuple[int, int]) -
     import_sglang()
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, _ = ports
     publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}", bind=True)
@@ -182,7 +182,7 @@ def test_vllm_zmq_events_with_bytes_hashes(ports: tuple[int, int]) -> None:
     """vLLM's publisher (it connects to a concrete host: the subscriber binds) and its event
     classes with SHA-256 bytes block hashes, block size 4, and a replay socket."""
     kv = vllm_classes()
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     sub_port, replay_port = ports
     subscriber = ZmqEventSubscriber(
@@ -229,7 +229,7 @@ def test_vllm_zmq_events_with_bytes_hashes(ports: tuple[int, int]) -> None:
 
 
 def test_bad_messages_are_counted_and_the_subscriber_keeps_running(ports: tuple[int, int]) -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, _ = ports
     context = zmq.Context.instance()
@@ -274,7 +274,7 @@ def test_a_restarted_engine_resets_the_index_and_its_new_stream_is_applied(ports
 
     rng = random.Random(11)
     sizes, tokens_of, blocks, weights = block_workload(random.Random(11))
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot, EngineBlockMap(page_size=1))
     pub_port, replay_port = ports
     where = {"endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
@@ -342,7 +342,7 @@ def test_a_number_far_ahead_resets_without_allocating_for_the_gap(ports: tuple[i
     applied and the stream continues from it, in memory that does not grow with the gap."""
     import tracemalloc
 
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, replay_port = ports
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -379,7 +379,7 @@ def test_a_number_far_ahead_resets_without_allocating_for_the_gap(ports: tuple[i
 
 
 def test_deeply_nested_msgpack_is_malformed_and_resets(ports: tuple[int, int]) -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, _ = ports
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -405,7 +405,7 @@ def test_deeply_nested_msgpack_is_malformed_and_resets(ports: tuple[int, int]) -
 def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple[int, int]) -> None:
     """A replay socket that never answers, a long replay timeout: stop() returns at once, with
     the thread finished, and the batch that was waiting for the replay is never applied."""
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, replay_port = ports
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -446,7 +446,7 @@ def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
     cache, _ = build_cache("unified-rust", capacity=48)
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, replay_port = ports
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
@@ -483,7 +483,7 @@ def test_heartbeat_fetches_a_lost_last_batch(ports: tuple[int, int]) -> None:
     import_sglang()
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
-    sink = KvEventSink(ContextPilot())
+    sink = KvEventSink(ContextPilot(plain_prompts=False))
     pub_port, replay_port = ports
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
     publisher = ZmqEventPublisher(
@@ -513,7 +513,7 @@ def test_a_batch_both_replayed_and_received_live_is_a_duplicate_not_a_restart(po
     import_sglang()
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     pub_port, replay_port = ports
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
@@ -542,7 +542,7 @@ def test_requests_shortened_counts_requests_not_removals(ports: tuple[int, int])
     """vLLM sends one ``BlockRemoved`` per block: a batch evicting a request's three blocks
     shortens one request (it counted three)."""
     kv = vllm_classes()
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     sink = KvEventSink(pilot)
     sub_port, _ = ports
     subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{sub_port}", bind=True)

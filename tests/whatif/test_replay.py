@@ -101,14 +101,23 @@ def test_every_prompt_token_is_counted() -> None:
     trace = [
         TraceRequest(id="1", blocks=("a", "b"), tokens=(100, 50)),
         TraceRequest(id="2", blocks=("b", "a"), tokens=(50, 100)),
+        TraceRequest(id="3", blocks=("a", "b"), tokens=(100, 50)),
     ]
     result = replay(trace, "trie", "online", None, shape=SHAPE)
-    # prompts: system 5 + blocks 150 + question 7, twice; the second reuses system + both blocks
-    assert (result.prompt_tokens, result.cached_tokens) == (2 * 162, 155)
-    assert result.block_tokens == 300 and result.max_prompt_tokens == 162
-    assert replay(trace, "retrieval", "online", None, shape=SHAPE).cached_tokens == 5  # the system prompt only
+    # prompts: system 5 + blocks 150 + question 7. The first shares nothing: sent plain, as
+    # without ContextPilot. The second carries blocks that recur: labelled ("[b] ", "[a] ": one
+    # token each), no reuse yet. The third reuses the first's plain prefix (labelling and
+    # reordering it onto the second's would cost the labels and the annotation)
+    assert (result.prompt_tokens, result.cached_tokens) == (162 + 164 + 162, 0 + 5 + 155)
+    assert result.block_tokens == 150 + 152 + 150 and result.max_prompt_tokens == 164
+    baseline = replay(trace, "retrieval", "online", None, shape=SHAPE)
+    assert (baseline.prompt_tokens, baseline.cached_tokens) == (3 * 162, 0 + 5 + 155)  # no labels
+    # a fourth request is reordered onto the second's labelled prefix: its annotation is tokens too
+    trace.append(TraceRequest(id="4", blocks=("a", "b", "d"), tokens=(100, 50, 100)))
+    without = replay(trace, "trie", "online", None, shape=SHAPE)
     with_annotation = replay(trace, "trie", "online", None, shape=PromptShape(5, 7, 11, annotate=True))
-    assert with_annotation.prompt_tokens > result.prompt_tokens  # annotations are tokens too
+    assert without.cached_tokens == with_annotation.cached_tokens == 160 + 5 + 152  # system, [b] b [a] a
+    assert with_annotation.prompt_tokens > without.prompt_tokens
 
 
 def test_chat_by_hand() -> None:
@@ -122,9 +131,10 @@ def test_chat_by_hand() -> None:
     baseline = replay(trace, "retrieval", "chat", None, shape=SHAPE, deduplicate=False)
     # baseline: 5+200+7 = 212; then 212 + answer 11 + 200 + 7 = 430, of which 223 are cached
     assert (baseline.prompt_tokens, baseline.cached_tokens) == (212 + 430, 223)
+    # ours: a conversation's blocks carry labels (one token each: "[a] "), so turn 0 is 214
     reference = ours.reference_tokens
-    assert reference > 0 and ours.prompt_tokens == 212 + 212 + 11 + 100 + reference + 7
-    assert ours.cached_tokens == 223 and ours.prefill_tokens < baseline.prefill_tokens
+    assert reference > 0 and ours.prompt_tokens == 214 + 214 + 11 + 101 + reference + 7
+    assert ours.cached_tokens == 225 and ours.prefill_tokens < baseline.prefill_tokens
     assert plan[1] == {
         "id": "t1",
         "request_id": "r1",

@@ -79,7 +79,7 @@ class Recorder:
         return sum(len(dangling_references(self.texts(body))) for body in self.bodies)
 
     def references(self) -> int:
-        return sum("\n".join(self.texts(body)).count("Please refer to [Doc_") for body in self.bodies)
+        return sum("\n".join(self.texts(body)).count("Please refer to [") for body in self.bodies)
 
     def ids(self, field: str = "rid") -> list[str]:
         return [body[field] for body in self.bodies]

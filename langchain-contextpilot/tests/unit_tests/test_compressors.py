@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -81,10 +82,16 @@ def test_in_a_chain_the_compressor_reads_configurable(use_async: bool) -> None:
 def test_lcel_helpers() -> None:
     pilot = ContextPilot()
     chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
-    text = chain.invoke(QUERY)
-    assert text.count("[Doc_") >= 3 and pilot.stats().requests_prepared == 1
-    assert "priority order" not in text  # the retriever's order kept: nothing to restate
-    reordered = (BM25ChunkRetriever(k=3) | RunnableLambda(lambda d: d[::-1]) | contextpilot_reorder(pilot)).invoke(
+    plain = chain.invoke(QUERY)  # shares nothing yet: sent as without ContextPilot
+    assert plain == "\n\n".join(d.page_content for d in BM25ChunkRetriever(k=3).invoke(QUERY))
+    reversed_docs = (BM25ChunkRetriever(k=3) | RunnableLambda(lambda d: d[::-1]) | contextpilot_reorder(pilot)).invoke(
         QUERY
     )
-    assert "priority order" in format_documents_runnable.invoke(reordered)
+    text = format_documents_runnable.invoke(reversed_docs)  # they recur: labelled, in this call's order
+    assert len(re.findall(r"(?m)^\[[^\]\s]+\] ", text)) >= 3 and pilot.stats().requests_prepared == 2
+    assert "priority order" not in text  # the retriever's order kept: nothing to restate
+    rotated = (BM25ChunkRetriever(k=3) | RunnableLambda(lambda d: [*d[1:], d[0]]) | contextpilot_reorder(pilot)).invoke(
+        QUERY
+    )
+    assert [d.id for d in rotated] == [d.id for d in reversed_docs]  # onto the labelled prefix
+    assert "priority order" in format_documents_runnable.invoke(rotated)

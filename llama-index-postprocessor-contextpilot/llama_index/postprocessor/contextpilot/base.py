@@ -19,7 +19,11 @@ from ._binding import deposit, span_binder
 __all__ = ["ContextPilotEvent", "ContextPilotPostprocessor"]
 
 dispatcher = get_dispatcher(__name__)
-LABEL_KEY = "contextpilot_label"
+LABEL_KEY = "ref"
+"""The metadata key of a node's label, shown to the LLM as ``ref: 545`` before every node: short,
+since every node of every prompt carries it (``contextpilot_label`` cost 20 characters a node)."""
+FALLBACK_LABEL_KEY = "contextpilot_label"
+"""Used instead where a node's own metadata already has :data:`LABEL_KEY`."""
 
 
 class ContextPilotEvent(BaseEvent):
@@ -64,9 +68,13 @@ def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> 
     out = []
     for block in [*prepared.blocks, *(r.block for r in prepared.references)]:
         item = by_id[block.id]
+        if not prepared.labels:  # sent as without ContextPilot: the node as retrieved
+            out.append(item)
+            continue
         node = item.node.model_copy(deep=False)
-        node.metadata = {**item.node.metadata, LABEL_KEY: block.label}
-        node.excluded_embed_metadata_keys = [*item.node.excluded_embed_metadata_keys, LABEL_KEY]
+        key = FALLBACK_LABEL_KEY if LABEL_KEY in item.node.metadata else LABEL_KEY
+        node.metadata = {**item.node.metadata, key: block.label}
+        node.excluded_embed_metadata_keys = [*item.node.excluded_embed_metadata_keys, key]
         out.append(NodeWithScore(node=node, score=item.score))
     return out
 
@@ -75,7 +83,7 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     """Reorders retrieved nodes so shared ones form a common prefix (drop-in like
     ``LongContextReorder``); scores and metadata kept, no node dropped.
 
-    Each node comes back as a copy labelled ``contextpilot_label`` (shown to the LLM, not
+    Each node comes back as a copy labelled :data:`LABEL_KEY` (``ref``; shown to the LLM, not
     embedded); when the order changed, the order annotation joins the query string, which
     the QA template places after the context. The prepared request stays with the query
     (its instrumentation span): ``ContextPilotLLM`` / ``SGLangLLM`` answering that query

@@ -1,0 +1,49 @@
+"""The simulator's sign (issue 21, item 4): on the bundled MultiHop-RAG sample ContextPilot
+never makes the engine compute more prompt tokens than the prompt without it, from a cache
+too small for one prompt to one that never evicts. The full sweep (0.2% .. 100%) is
+``benchmarks/bench_never_worse.py``; these are a few of its points."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from contextpilot_integrations.whatif.replay import Mode, PromptShape, replay
+from contextpilot_integrations.whatif.trace import TraceRequest, multihop_trace, working_set_tokens
+
+
+@functools.cache
+def traces() -> tuple[list[TraceRequest], list[TraceRequest]]:
+    single = multihop_trace()
+    grouped = multihop_trace(conversations=True)
+    sizes: dict[str | None, int] = {}
+    for request in grouped:
+        sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
+    chats = [name for name, size in sizes.items() if name is not None and size >= 2][:150]  # a fast test
+    return single, [r for r in grouped if r.conversation in chats]
+
+
+@pytest.mark.parametrize(
+    ("mode", "fraction"),
+    [("offline", 0.002), ("offline", 0.25), ("online", 0.002), ("online", 0.01), ("online", 0.25), ("chat", 0.01)],
+)
+def test_contextpilot_computes_no_more_than_the_prompt_without_it(mode: Mode, fraction: float) -> None:
+    single, chat = traces()
+    trace = chat if mode == "chat" else single
+    shape = PromptShape()
+    capacity = int(working_set_tokens(trace) * fraction)
+    without = replay(trace, "retrieval", mode, capacity, shape=shape, deduplicate=False, history_turns=4)
+    ours = replay(trace, "trie", mode, capacity, shape=shape, history_turns=4)
+    assert ours.prefill_tokens <= without.prefill_tokens
+    assert ours.hit_ratio >= without.hit_ratio
+
+
+def test_the_baseline_prompt_carries_no_labels_and_contextpilots_does() -> None:
+    """Labels are prompt tokens: the baseline (the user's prompt) has none, ContextPilot pays for its own."""
+    single, _ = traces()
+    trace = single[:200]
+    without = replay(trace, "retrieval", "online", None)
+    labelled = replay(trace, "retrieval", "chat", None)  # ContextPilot in retrieval order, de-duplicating: labelled
+    blocks = sum(sum(r.token_counts()) for r in trace)
+    assert without.block_tokens == blocks < labelled.block_tokens
