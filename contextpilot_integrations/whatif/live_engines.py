@@ -230,6 +230,7 @@ def sglang_args(
     max_total_tokens: int = 2048,
     page_size: int = 16,
     context_length: int = 1536,
+    extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that serve the tiny model with SGLang on CPU."""
     args = [str(where / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
@@ -241,7 +242,7 @@ def sglang_args(
     args += ["--skip-server-warmup"]
     if kv_events_config is not None:
         args += ["--kv-events-config", json.dumps(dict(kv_events_config))]
-    return args, {"SGLANG_USE_CPU_ENGINE": "1"}
+    return [*args, *extra_args], {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
 def start_sglang(
@@ -254,11 +255,12 @@ def start_sglang(
     context_length: int = 1536,
     plugin_from: Path | None = None,
     startup_timeout: float = 240.0,
+    extra_args: Sequence[str] = (),
 ) -> LiveEngine:
     """SGLang on CPU serving the tiny model with a KV pool of ``max_total_tokens``.
 
     ``plugin_from``: a checkout of this project whose SGLang plugin the engine loads
-    (through the ``sglang.srt.plugins`` entry point).
+    (through the ``sglang.srt.plugins`` entry point). ``extra_args``: more server options.
     """
     port = free_port()
     args, env = sglang_args(
@@ -268,6 +270,7 @@ def start_sglang(
         max_total_tokens=max_total_tokens,
         page_size=page_size,
         context_length=context_length,
+        extra_args=extra_args,
     )
     if plugin_from is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(_plugin_metadata(log.parent)), str(plugin_from)])
