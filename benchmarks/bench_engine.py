@@ -79,10 +79,6 @@ def compare(engine: str | None, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_engines(args: argparse.Namespace) -> None:
-    reports = [compare(None, args)] if args.url else []
-    for engine in [] if args.url else args.engines.split(","):
-        print(f"comparing on {engine} ...", file=sys.stderr, flush=True)
-        reports.append(compare(engine, args))
     print(
         f"\n== engine comparison: {args.requests} requests a pass, chunks of {args.block_chars} characters, "
         "A B B A, every pass on an empty cache; tokens summed over both passes of an arm =="
@@ -92,9 +88,11 @@ def bench_engines(args: argparse.Namespace) -> None:
         f"{'computed w/o':>14}{'computed with':>15}{'ratio':>7}{'TTFT w/o:with':>15}"
     )
     print(head)
-    print("-" * len(head))
-    for report in reports:
-        for mode, data in report["modes"].items():
+    print("-" * len(head), flush=True)
+    for engine in [None] if args.url else args.engines.split(","):
+        print(f"comparing on {engine or args.url} ...", file=sys.stderr, flush=True)
+        report = compare(engine, args)
+        for mode, data in report["modes"].items():  # each engine's rows as soon as it is done
             base, ours = data["retrieval_order"], data["contextpilot"]
             ttft = f"{data['mean_ttft_ratio']:.2f}" if data["mean_ttft_ratio"] else "-"
             ratio = f"{data['computed_ratio']:.2f}" if data["computed_ratio"] is not None else "-"
@@ -103,7 +101,7 @@ def bench_engines(args: argparse.Namespace) -> None:
                 f"{base['cached_tokens']:>12,}{ours['cached_tokens']:>13,}{base['computed_tokens']:>14,}"
                 f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}"
             )
-        print(f"{'':<13}({report['clean_cache']})")
+        print(f"{'':<13}({report['clean_cache']})", flush=True)
     print("ratio: computed prompt tokens with / without ContextPilot (below 1: ContextPilot computes fewer)")
 
 

@@ -143,6 +143,13 @@ class ServerProcess:
         self._log = log.open("w") if log is not None else subprocess.DEVNULL
         # its own process group: stop() ends the workers an engine starts (SGLang, vLLM) too
         self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:  # whatever stops the wait (a timeout, Ctrl-C) stops the engine: none is left behind
+            self._wait_healthy(log, startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, log: Path | None, startup_timeout: float) -> None:
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -154,7 +161,6 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
-        self.stop()
         raise RuntimeError(f"the engine did not answer {self.url}/health within {startup_timeout:.0f} s")
 
     def stop(self) -> None:
