@@ -1,49 +1,108 @@
-"""Backend benchmark on a real prefix-caching server (a script, not a test).
+"""Backend benchmark on real prefix-caching servers (a script, not a test).
 
-1. TTFT: the demo's engine comparison (``demo --engine-cmd``): the bundled MultiHop-RAG
-   queries sent to llama.cpp's ``llama-server`` (built by ``scripts/build_llama_server.sh``,
-   tiny random-weight GGUF written locally, CPU), offline, online and as interleaved chats,
-   retrieval order against ContextPilot, A B B A, every pass on a fresh server. Prints mean,
-   p50 and p90 time to first token and the server-reported cached tokens side by side.
+1. The demo's engine comparison (``demo --engine-cmd``) on each engine of ``--engines``:
+   llama.cpp's ``llama-server`` (built by ``scripts/build_llama_server.sh``, tiny
+   random-weight GGUF, one slot, no RAM cache: a fresh server for every pass), live SGLang
+   and live vLLM (``scripts/setup_live_engine.sh``, tiny random-weight HF Llama, one server
+   flushed before every pass, a KV pool of ``--kv-tokens``), all on CPU. The bundled
+   MultiHop-RAG queries offline, online and as interleaved chats, without ContextPilot
+   (the texts in retrieval order, no labels, no annotation) against ContextPilot, A B B A.
+   Prints, per engine and mode, the engine's own prompt, cached and computed (prompt -
+   cached) tokens side by side, and time to first token only as a ratio within the run.
 2. Eviction sync latency: SGLang's real RadixCache under capacity pressure publishes its
    KV events through our plugin publisher over HTTP to the callback server; prints the
    p50/p99 time from publish to index updated. Target: p99 <= 50 ms.
 
-Usage: python benchmarks/bench_engine.py [--requests 200] [--block-chars 250] [--cache-ram MiB]
-       [--url URL]  (an already running server instead of starting llama-server)
-"""
+Sizes (defaults): 40 requests (chat: turns) per pass, chunks cut to 200 characters (the
+tiny models read about one token a character: ~3.3k-token single-shot prompts), chats
+keep 1 earlier turn and answer 16 tokens; 3 modes x 4 passes x 40 = 480 requests an
+engine, a few minutes each on 2 CPU cores.
+
+Usage: python benchmarks/bench_engine.py [--engines llama-server,sglang,vllm] [--requests 40]
+       [--block-chars 200] [--kv-tokens 16384] [--cache-ram MiB] [--skip-sync]
+       [--url URL]  (an already running server instead, flushed before every pass)"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.engines import EvictionListener
 
+ENGINES = ("llama-server", "sglang", "vllm")
 
-def bench_ttft(args: argparse.Namespace) -> None:
-    """The demo's engine comparison: every pass on a fresh llama-server (or a flushed --url)."""
-    from contextpilot_integrations.whatif.cli import main as cli
-    from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 
-    engine = ["--engine", args.url] if args.url else []
-    if not args.url:
+def engine_command(engine: str, args: argparse.Namespace) -> str:
+    """The ``--engine-cmd`` for one engine, with the tiny model."""
+    if engine == "llama-server":
+        from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+
         binary = llama_server_binary()
         if binary is None:
             raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
         model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
-        engine = ["--engine-cmd", LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))]
-    demo = ["demo", "--capacity", "0.25", "--no-plot", "--quiet", "--engine-requests", str(args.requests)]
-    sizes = ["--engine-block-chars", str(args.block_chars), "--engine-modes", args.modes, "--answer-tokens", "16"]
-    cli([*demo, *sizes, *engine])
+        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))
+    from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
+
+    def missing(reason: str) -> None:
+        raise SystemExit(reason)
+
+    return live_engine_command(engine, require_live_engine(engine, missing), kv_tokens=args.kv_tokens, context=8192)
+
+
+def compare(engine: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's engine comparison on one engine (or ``--url``), as its JSON report."""
+    from contextpilot_integrations.whatif.cli import main as cli
+
+    target = ["--engine", args.url] if args.url else ["--engine-cmd", engine_command(engine or "", args)]
+    demo = ["demo", "--modes", "offline", "--capacity", "0.25", "--strategies", "retrieval,trie", "--no-plot"]
+    sizes = ["--engine-requests", str(args.requests), "--engine-block-chars", str(args.block_chars)]
+    sizes += ["--engine-modes", args.modes, "--history-turns", "1", "--answer-tokens", "16", "--json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli([*demo, *sizes, *target])
+    if code:
+        raise SystemExit(f"the comparison on {engine or args.url} failed (exit {code})")
+    report: dict[str, Any] = json.loads(out.getvalue())["engine"]
+    return report
+
+
+def bench_engines(args: argparse.Namespace) -> None:
+    print(
+        f"\n== engine comparison: {args.requests} requests a pass, chunks of {args.block_chars} characters, "
+        "A B B A, every pass on an empty cache; tokens summed over both passes of an arm =="
+    )
+    head = (
+        f"{'engine':<13}{'mode':<9}{'prompt w/o':>12}{'prompt with':>13}{'cached w/o':>12}{'cached with':>13}"
+        f"{'computed w/o':>14}{'computed with':>15}{'ratio':>7}{'TTFT w/o:with':>15}"
+    )
+    print(head)
+    print("-" * len(head), flush=True)
+    for engine in [None] if args.url else args.engines.split(","):
+        print(f"comparing on {engine or args.url} ...", file=sys.stderr, flush=True)
+        report = compare(engine, args)
+        for mode, data in report["modes"].items():  # each engine's rows as soon as it is done
+            base, ours = data["retrieval_order"], data["contextpilot"]
+            ttft = f"{data['mean_ttft_ratio']:.2f}" if data["mean_ttft_ratio"] else "-"
+            ratio = f"{data['computed_ratio']:.2f}" if data["computed_ratio"] is not None else "-"
+            print(
+                f"{report['engine']:<13}{mode:<9}{base['prompt_tokens']:>12,}{ours['prompt_tokens']:>13,}"
+                f"{base['cached_tokens']:>12,}{ours['cached_tokens']:>13,}{base['computed_tokens']:>14,}"
+                f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}"
+            )
+        print(f"{'':<13}({report['clean_cache']})", flush=True)
+    print("ratio: computed prompt tokens with / without ContextPilot (below 1: ContextPilot computes fewer)")
 
 
 def bench_eviction_sync(args: argparse.Namespace) -> None:
@@ -96,17 +155,24 @@ def bench_eviction_sync(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--block-chars", type=int, default=250, help="cut chunks so 15 fit the tiny model's context")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
+    parser.add_argument("--requests", type=int, default=40, help="requests (chat: turns) per pass")
+    parser.add_argument("--block-chars", type=int, default=200, help="cut chunks so prompts fit the tiny models")
+    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of live SGLang and vLLM, in tokens")
     parser.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram (MiB of prompt cache)")
-    parser.add_argument("--url", help="use this running server (it must support /flush_cache) instead of llama-server")
+    parser.add_argument("--url", help="use this running server (it must flush its cache) instead of --engines")
     parser.add_argument("--modes", default="offline,online,chat", help="modes compared on the server")
     parser.add_argument("--sync-requests", type=int, default=2_000)
-    parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true", help="skip the eviction-sync latency")
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the engine comparison")
     args = parser.parse_args()
-    bench_eviction_sync(args)
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines: {', '.join(sorted(unknown))}")
+    if not args.skip_sync:
+        bench_eviction_sync(args)
     if not args.skip_ttft:
-        bench_ttft(args)
+        bench_engines(args)
 
 
 if __name__ == "__main__":

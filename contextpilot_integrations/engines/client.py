@@ -21,6 +21,7 @@ import re
 import threading
 import time
 import urllib.parse
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -435,13 +436,7 @@ class OpenAICompatClient:
         reader = self._reader(stream, start)
         before = _before_tokens(system_prompt, history)
         try:
-            with self._http.stream("POST", self.endpoint, json=body) as response:
-                if response.status_code >= 400:
-                    raise self._http_error(response.status_code, _limited(response.iter_bytes()))
-                for chunk in response.iter_bytes():
-                    if reader.feed(chunk):
-                        break
-            parsed = reader.result()
+            parsed = self._exchange(body, reader)
             ends = None
             if parsed.input_ids and self.tracker is not None:
                 ends = self.block_tokenizer.block_ends(prepared, parsed.input_ids, self._http)
@@ -452,6 +447,53 @@ class OpenAICompatClient:
         except BaseException:
             self._forget(prepared)
             raise
+
+    def send_messages(
+        self, messages: Sequence[dict[str, str]], *, request_id: str | None = None, stream: bool = True, **params: Any
+    ) -> ChatResult:
+        """Send chat messages exactly as given, with no prepared request and no pilot
+        bookkeeping: what an application without ContextPilot sends (a comparison's
+        baseline). ``request_id`` (a fresh one if ``None``) goes in the engine's id fields.
+
+        Raises:
+            EngineUnavailable, EngineHTTPError, EngineError: as :meth:`chat`.
+        """
+        request_id = request_id if request_id is not None else f"plain-{uuid.uuid4().hex}"
+        body: dict[str, Any] = {"model": self.model, "messages": [dict(m) for m in messages], "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        for name in self.id_fields:
+            body[name] = request_id
+        body.update(self.extra_body)
+        body.update(params)
+        start = time.perf_counter()
+        try:
+            parsed = self._exchange(body, self._reader(stream, start))
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        usage = parsed.usage
+        now = time.perf_counter()
+        return ChatResult(
+            request_id=request_id,
+            text=parsed.text,
+            prompt_tokens=usage.get("prompt_tokens"),
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            ttft_s=(parsed.first_s if parsed.first_s is not None else now) - start,
+            total_s=now - start,
+            usage=usage,
+            prompt_token_ids=tuple(parsed.input_ids) if parsed.input_ids else None,
+            answer_id=parsed.answer_id,
+        )
+
+    def _exchange(self, body: dict[str, Any], reader: _Reader) -> _Parsed:
+        with self._http.stream("POST", self.endpoint, json=body) as response:
+            if response.status_code >= 400:
+                raise self._http_error(response.status_code, _limited(response.iter_bytes()))
+            for chunk in response.iter_bytes():
+                if reader.feed(chunk):
+                    break
+        return reader.result()
 
     async def achat(
         self,

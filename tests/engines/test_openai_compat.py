@@ -151,16 +151,37 @@ def test_demo_compares_on_fresh_servers(tmp_path: Path, capsys: pytest.CaptureFi
     args += ["--engine-requests", "8", "--engine-block-chars", "120", "--history-turns", "1", "--answer-tokens", "4"]
     assert main(args) == 0
     engine = json.loads(capsys.readouterr().out)["engine"]
+    assert engine["engine"] == "llamacpp"  # read from its /v1/models
     assert engine["clean_cache"] == "a fresh server process for every pass"
     assert set(engine["modes"]) == {"offline", "online", "chat"}
     for mode, data in engine["modes"].items():
         baseline, ours = data["retrieval_order"], data["contextpilot"]
         assert baseline["requests_per_pass"] == ours["requests_per_pass"] == 8, mode
+        assert data["same_requests"], mode
         assert ours["mean_ttft_s"] > 0 and data["mean_ttft_ratio"] > 0
     offline = engine["modes"]["offline"]
     assert offline["contextpilot"]["cached_tokens"] > offline["retrieval_order"]["cached_tokens"]
-    chat = engine["modes"]["chat"]
-    assert chat["contextpilot"]["prompt_tokens"] < chat["retrieval_order"]["prompt_tokens"]  # references
+    for data in engine["modes"].values():
+        for arm in (data["retrieval_order"], data["contextpilot"]):
+            assert 0 <= arm["cached_tokens"] <= arm["prompt_tokens"]
+            assert arm["computed_tokens"] == arm["prompt_tokens"] - arm["cached_tokens"]
+    # The baseline is now what an application sends without ContextPilot (no labels, no
+    # annotation): whether chat's references outweigh the labels on 120-character chunks
+    # is issue 21 item 4 ("never worse"), not asserted here (measured: 69,092 vs 68,830).
+
+
+def test_plain_messages_are_sent_as_given_and_recorded_nowhere(llama: LlamaServer) -> None:
+    """The comparison's baseline: what an application without ContextPilot sends."""
+    pilot = ContextPilot()
+    client = OpenAICompatClient(llama.url, pilot, engine="llamacpp")
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "a b c " * 40}]
+    first = client.send_messages(messages, max_tokens=1)
+    again = client.send_messages(messages, request_id="mine", max_tokens=1, stream=False)
+    assert first.request_id.startswith("plain-") and again.request_id == "mine"
+    assert first.prompt_tokens == again.prompt_tokens and first.prompt_tokens is not None
+    assert again.cached_tokens is not None and 0 < again.cached_tokens <= again.prompt_tokens  # same prompt: reused
+    stats = pilot.stats()
+    assert stats.engine_requests == 0 and stats.requests_prepared == 0 and stats.live_requests == 0
 
 
 def test_a_server_that_cannot_flush_is_refused(llama: LlamaServer, capsys: pytest.CaptureFixture[str]) -> None:
