@@ -319,6 +319,10 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
     """
 
     stream_usage: bool | None = True
+    max_retries: int | None = 0
+    """No retries inside the OpenAI client: a timed-out request may still run in the engine,
+    and a retry with its id is refused (SGLang: "Duplicate request ID"). Retry with
+    LangChain's ``.with_retry()``: the retry takes the request again under a new id."""
     event_sink: Any = Field(default=None, exclude=True)
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None

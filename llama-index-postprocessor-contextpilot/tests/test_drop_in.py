@@ -36,13 +36,17 @@ from tests.support import QUESTION
 class Recorder:
     """The JSON bodies of every request sent, through real httpx clients."""
 
-    def __init__(self) -> None:
+    def __init__(self, time_out_first: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.time_out_first = time_out_first
         self._lock = threading.Lock()
 
     def _record(self, request: httpx.Request) -> None:
         with self._lock:
             self.bodies.append(json.loads(request.content))
+            if self.time_out_first > 0:  # as if the engine took the request and answered too late
+                self.time_out_first -= 1
+                raise httpx.ReadTimeout("recorder: the first attempt times out", request=request)
 
     def clients(self) -> dict[str, Any]:
         async def record(request: httpx.Request) -> None:
@@ -67,7 +71,7 @@ class Recorder:
 
 
 def sglang(llama: LlamaServer, recorder: Recorder, **options: Any) -> SGLangLLM:
-    settings = {"model": "tiny", "api_base": llama.url + "/v1", "max_tokens": 1, "context_window": 8192}
+    settings = {"model": "tiny", "api_base": llama.url + "/v1", "max_tokens": 1, "context_window": 8192, "timeout": 600}
     return SGLangLLM(**{**settings, **options}, **recorder.clients())
 
 
@@ -112,6 +116,21 @@ def test_query_engine_fifty_threads_and_fifty_tasks(index: VectorStoreIndex, lla
 
     asyncio.run(fifty())
     _served_by_each(pilot2, 50, recorder2)
+
+
+def test_a_timed_out_call_is_not_resent_under_its_id(index: VectorStoreIndex, llama: LlamaServer) -> None:
+    """A timed-out request may still run in the engine, and SGLang refuses a second request
+    with its id ("Duplicate request ID"): SGLangLLM does not retry inside the call, the
+    failure reaches the caller and the pilot forgets the request."""
+    pilot, recorder = ContextPilot(), Recorder(time_out_first=1)
+    engine = index.as_query_engine(
+        llm=sglang(llama, recorder), similarity_top_k=3, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)]
+    )
+    with pytest.raises(Exception, match=r"(?i)timed? ?out"):
+        engine.query(QUESTION)
+    assert len(recorder.ids()) == 1 and pilot.live_request_ids() == []
+    engine.query(QUESTION)  # the caller's retry prepares afresh, under a new id
+    assert len(set(recorder.ids())) == 2 and pilot.stats().engine_requests == 1
 
 
 def test_router_path_under_fifty_threads(index: VectorStoreIndex, replicas: list[LlamaServer]) -> None:

@@ -47,16 +47,22 @@ PROMPT = ChatPromptTemplate.from_messages(
 class Recorder:
     """The JSON bodies of every request sent, through real httpx clients."""
 
-    def __init__(self, fail_first: int = 0) -> None:
+    def __init__(self, fail_first: int = 0, time_out_first: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.attempts: list[dict[str, Any]] = []
         self.fail_first = fail_first
+        self.time_out_first = time_out_first
         self._lock = threading.Lock()
 
     def _record(self, request: httpx.Request) -> None:
         with self._lock:
+            self.attempts.append(json.loads(request.content))
             if self.fail_first > 0:
                 self.fail_first -= 1
                 raise httpx.ConnectError("recorder: the first attempt fails", request=request)
+            if self.time_out_first > 0:  # as if the engine took the request and answered too late
+                self.time_out_first -= 1
+                raise httpx.ReadTimeout("recorder: the first attempt times out", request=request)
             self.bodies.append(json.loads(request.content))
 
     def client(self) -> httpx.Client:
@@ -191,6 +197,21 @@ def test_wrapped_chat_openai_retry_takes_the_request_again_under_a_new_id(llama:
     stats = pilot.stats()
     assert stats.engine_requests == 1 and stats.live_requests == 1  # the retry, adopted under a new id
     assert recorder.ids() == pilot.live_request_ids()
+
+
+def test_chat_sglang_retries_a_timed_out_call_under_a_fresh_id(llama: LlamaServer, documents: Any) -> None:
+    """A timed-out request may still run in the engine, and SGLang refuses a second request
+    with its id ("Duplicate request ID"): ChatSGLang leaves retries to LangChain's
+    ``with_retry`` (max_retries 0), whose retry takes the request again under a new id."""
+    pilot, recorder = ContextPilot(), Recorder(time_out_first=1)
+    llm = ChatSGLang(model="tiny", base_url=llama.url + "/v1", max_tokens=1, http_client=recorder.client())
+    chain = readme_chain(
+        ContextPilotRetriever(base_retriever=documents, pilot=pilot), llm.with_retry(stop_after_attempt=2)
+    )
+    chain.invoke(QUERY)
+    rids = [body["rid"] for body in recorder.attempts]
+    assert len(rids) == 2 and len(set(rids)) == 2  # the retry's id is a new one
+    assert recorder.ids() == pilot.live_request_ids() and pilot.stats().engine_requests == 1
 
 
 # ---- 2. exact binding under concurrency -----------------------------------------------------------

@@ -269,7 +269,8 @@ class SGLangLLM(_Reports, OpenAILike):
     Each call sends the request ContextPilot prepared for it (named by
     ``ContextPilotChatEngine``, or left by ``ContextPilotPostprocessor`` in the same query,
     as :class:`ContextPilotLLM` takes it), else a fresh id; it goes out as ``rid`` and
-    ``session_id`` (``server="vllm"``: ``request_id``). The server's cached tokens come back
+    ``session_id`` (``server="vllm"``: ``request_id``); no retries inside a call (``max_retries=0``:
+    SGLang refuses a second request with the id of one still running). The server's cached tokens come back
     in ``response.additional_kwargs["cached_tokens"]`` and, with the token counts, to the
     request's pilot: its statistics, the prompt's token ids for ``event_sink`` (KV-event
     mapping), or without one ``usage_feedback`` (cached-token shortfalls drop what the
@@ -294,6 +295,10 @@ class SGLangLLM(_Reports, OpenAILike):
         # a local engine takes any key: "EMPTY" unless one is given (never OPENAI_API_KEY)
         if kwargs.get("api_key") is None:
             kwargs["api_key"] = os.environ.get("SGLANG_API_KEY") or "EMPTY"
+        # no retries inside the call: a timed-out request may still run in the engine, and a
+        # retry with its id is refused (SGLang: "Duplicate request ID"); retry the query,
+        # which prepares its request afresh
+        kwargs.setdefault("max_retries", 0)
         super().__init__(**kwargs)
         span_binder()
 
