@@ -227,24 +227,46 @@ class BlockTokenizer:
         self.max_entries = max_entries
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
+        self._http: httpx.Client | None = None
 
     def tokens(self, text: str) -> tuple[int, ...] | None:
         """The cached token ids of a rendered block (``None`` if not tokenized yet)."""
         with self._lock:
             return self._cache.get(text)
 
-    def block_ends(self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.Client) -> list[int] | None:
+    def block_ends(
+        self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.Client | None = None
+    ) -> list[int] | None:
+        """Where each of the request's blocks ends in the prompt's token ids (``None``:
+        unknown). ``http``: the caller's client (default: one of this tokenizer's own, made
+        on first use; :meth:`close` closes it)."""
         texts = _block_texts(prepared)
         if not texts or self.engine not in ("sglang", "vllm"):
             return None
         try:
             missing = self._missing(texts)
+            if missing and http is None:
+                http = self._own_client()
             for batch in self._batches(missing):
+                assert http is not None
                 response = http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
                 self._store(batch, response)
         except (httpx.HTTPError, ValueError):
             return None
         return self._ends(texts, prompt_ids)
+
+    def close(self) -> None:
+        """Close the client :meth:`block_ends` made for itself (if any)."""
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            http.close()
+
+    def _own_client(self) -> httpx.Client:
+        with self._lock:
+            if self._http is None:
+                self._http = httpx.Client(timeout=self.timeout)
+            return self._http
 
     async def ablock_ends(
         self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.AsyncClient

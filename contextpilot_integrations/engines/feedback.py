@@ -24,6 +24,7 @@ from ..binding import Binding
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 from ..usage import check_usage
+from .kv_mapping import blocks_held
 
 __all__ = [
     "Binding",
@@ -99,12 +100,15 @@ def report_served(
     tracker: EventTracker | None = None,
     input_ids: Sequence[int] | None = None,
     block_ends: Sequence[int] | None = None,
+    page_size: int | None = None,
 ) -> int:
     """Record a served request: the engine's counts in the pilot's statistics, the prompt's
     token ids (with where each block ends, and the engine's cached tokens) with the event
     tracker, and a shortfall of cached blocks in the index: exact when ``block_ends`` are
     known (:func:`.kv_mapping.block_token_ends`), else estimated, with ``usage_feedback``.
-    Returns how many live requests the feedback shortened.
+    Returns how many live requests the feedback shortened. ``page_size``: the engine's
+    page (default: the tracker's, learned from the events), so that a block whose whole
+    pages were served counts as served (:func:`.kv_mapping.blocks_held`).
 
     Counts the engine got wrong (not ints, out of range, more cached than prompt tokens)
     are not reported: the call itself succeeded, so a warning is logged (once) instead."""
@@ -119,12 +123,19 @@ def report_served(
         return 0
     pilot.record_usage(prepared, prompt_tokens, cached_tokens)
     if block_ends is not None and cached_tokens is not None and prepared.cached_blocks:
-        held = sum(1 for end in block_ends if end <= cached_tokens)  # exact: token positions
+        page = page_size if page_size is not None else _page_size(tracker)
+        held = blocks_held(block_ends, cached_tokens, page)  # exact: token positions, whole pages
         return pilot.observe_cached(prepared, min(held, prepared.cached_blocks))
     if not usage_feedback or prompt_tokens is None or cached_tokens is None or not prepared.cached_blocks:
         return 0
     held = cached_blocks_from_usage(prepared, prompt_tokens, cached_tokens, before_tokens)
     return pilot.observe_cached(prepared, held)
+
+
+def _page_size(tracker: EventTracker | None) -> int | None:
+    """The engine page size a tracker (a sink) learned, if it knows one."""
+    page = getattr(tracker, "page_size", None)
+    return page if isinstance(page, int) and not isinstance(page, bool) and page > 0 else None
 
 
 _warned: weakref.WeakSet[ContextPilot] = weakref.WeakSet()  # pilots whose engine sent a bad report

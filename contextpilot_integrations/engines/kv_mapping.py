@@ -34,7 +34,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Iterable, MutableMapping, Sequence
 from typing import TypeVar
 
-__all__ = ["EngineBlockMap", "block_token_ends"]
+__all__ = ["EngineBlockMap", "block_token_ends", "blocks_held"]
 
 PageKey = bytes  # parent block hash and the block's token ids, packed
 DEFAULT_MEDIUM = "GPU"
@@ -227,7 +227,7 @@ class EngineBlockMap:
         if request.block_ends is None:
             whole_pages = len(request.tokens) - len(request.tokens) % (self.page_size or 1)
             return None if cached_tokens >= whole_pages else 0
-        kept = sum(1 for end in request.block_ends if end <= cached_tokens)
+        kept = blocks_held(request.block_ends, cached_tokens, self.page_size)
         return None if kept == len(request.block_ends) else kept
 
     # ---- engine events -----------------------------------------------------------------
@@ -443,6 +443,20 @@ def _parent_of(key: PageKey) -> BlockHash:
     if key[:1] == b"\x03":
         return key[2 : 2 + key[1]]
     return int.from_bytes(key[1:10], "little", signed=True)
+
+
+def blocks_held(block_ends: Sequence[int], cached_tokens: int, page_size: int | None) -> int:
+    """How many leading blocks an engine holding ``cached_tokens`` prompt tokens serves.
+
+    The engine caches whole pages only: a block's last partial page is shared with the
+    next block, and is cached only when that block's start matches too. A block counts as
+    held when its *whole pages* are (its end rounded down to a page), so the prediction
+    it implies is never more than a page above the engine's count, and a request whose
+    next block differs still keeps its earlier blocks. Without a page size, a block counts
+    only when it is held to its last token.
+    """
+    page = page_size or 1
+    return sum(1 for end in block_ends if end - end % page <= cached_tokens)
 
 
 def block_token_ends(prompt_ids: Sequence[int], block_ids: Sequence[Sequence[int]]) -> list[int] | None:

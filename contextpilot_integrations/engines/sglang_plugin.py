@@ -11,12 +11,19 @@ a background thread POSTs it. When the bounded queue is full (or the server cann
 reached) a batch is dropped and counted; its sequence number is then missing, and the
 server makes its index conservative. No SGLang class is patched. Set
 ``CONTEXTPILOT_EVENTS_TOKEN`` when the callback server requires a token.
+
+Heartbeat: a lost batch shows only when a later number arrives, and an idle engine sends
+none, so the index could keep predicting what the lost batch removed. After
+``CONTEXTPILOT_EVENTS_HEARTBEAT`` seconds (default 1; ``0``: never) without a batch, the
+publisher sends an empty one with the next number: the server notices a loss within that
+time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import queue
 import threading
@@ -30,7 +37,20 @@ from .wire import event_to_dict
 __all__ = ["PUBLISHER_NAME", "ContextPilotHttpPublisher", "register"]
 
 PUBLISHER_NAME = "contextpilot_http"
+HEARTBEAT_ENV = "CONTEXTPILOT_EVENTS_HEARTBEAT"
+DEFAULT_HEARTBEAT_S = 1.0
 _STOP = object()
+
+
+def _heartbeat_from_env() -> float | None:
+    raw = os.environ.get(HEARTBEAT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_HEARTBEAT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        return DEFAULT_HEARTBEAT_S
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def register() -> None:
@@ -48,10 +68,20 @@ class ContextPilotHttpPublisher:
         attn_dp_rank: SGLang's data-parallel rank (sent as ``rank``).
         endpoint: the callback URL, e.g. ``http://127.0.0.1:8765/kv-events``.
         max_queue_size: batches waiting to be sent; more are dropped and counted.
+        heartbeat: seconds without a batch before an empty one is sent (``None``: never);
+            default from ``CONTEXTPILOT_EVENTS_HEARTBEAT`` (SGLang passes only its own
+            config fields), else 1 s.
         **_config: SGLang's other ``--kv-events-config`` fields (unused).
     """
 
-    def __init__(self, attn_dp_rank: int = 0, endpoint: str = "", max_queue_size: int = 100_000, **_config: Any):
+    def __init__(
+        self,
+        attn_dp_rank: int = 0,
+        endpoint: str = "",
+        max_queue_size: int = 100_000,
+        heartbeat: float | str | None = "env",
+        **_config: Any,
+    ):
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"contextpilot_http needs an http(s) endpoint, got {endpoint!r}")
         self.endpoint = endpoint
@@ -59,7 +89,13 @@ class ContextPilotHttpPublisher:
         self.publisher_id = f"sglang-{os.getpid()}-{attn_dp_rank}"
         self.dropped = 0
         self.sent = 0
+        self.heartbeats = 0
+        chosen = _heartbeat_from_env() if heartbeat == "env" else heartbeat
+        if isinstance(chosen, str) or (chosen is not None and not (math.isfinite(chosen) and chosen > 0)):
+            raise ValueError("heartbeat must be None or a positive number of seconds")
+        self.heartbeat: float | None = chosen
         self._seq = itertools.count()
+        self._numbering = threading.Lock()  # a number and its place in the queue, together
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_queue_size))
         token = os.environ.get("CONTEXTPILOT_EVENTS_TOKEN")
         headers = {"X-ContextPilot-Token": token} if token else {}
@@ -69,17 +105,16 @@ class ContextPilotHttpPublisher:
 
     def publish(self, batch: Any) -> None:
         """Queue one ``KVEventBatch``; never blocks the scheduler."""
-        payload = {
-            "seq": next(self._seq),
-            "rank": self.rank,
-            "publisher": self.publisher_id,
-            "ts": getattr(batch, "ts", None) or time.time(),
-            "events": [event_to_dict(event) for event in batch.events],
-        }
-        try:
-            self._queue.put_nowait(payload)
-        except queue.Full:
-            self.dropped += 1  # its seq is never sent: the server sees the gap
+        self._enqueue(getattr(batch, "ts", None) or time.time(), [event_to_dict(event) for event in batch.events])
+
+    def _enqueue(self, ts: float, events: list[dict[str, Any]]) -> None:
+        with self._numbering:  # numbers reach the queue in order (the heartbeat numbers too)
+            payload = {"seq": next(self._seq), "rank": self.rank, "publisher": self.publisher_id, "ts": ts}
+            payload["events"] = events
+            try:
+                self._queue.put_nowait(payload)
+            except queue.Full:
+                self.dropped += 1  # its seq is never sent: the server sees the gap
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued batch was sent or dropped (for tests and shutdown)."""
@@ -96,7 +131,12 @@ class ContextPilotHttpPublisher:
 
     def _run(self) -> None:
         while True:
-            payload = self._queue.get()
+            try:
+                payload = self._queue.get(timeout=self.heartbeat)
+            except queue.Empty:  # idle for a heartbeat: an empty batch shows any loss before
+                self.heartbeats += 1
+                self._enqueue(time.time(), [])
+                continue
             try:
                 if payload is _STOP:
                     return

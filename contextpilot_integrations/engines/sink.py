@@ -120,6 +120,12 @@ class KvEventSink:
                 self._stats.requests_unconfirmed += 1
             self._evict_untracked()
 
+    @property
+    def page_size(self) -> int | None:
+        """The engine's page size (given, or learned from the first stored block)."""
+        with self._lock:
+            return self.block_map.page_size
+
     def confirmed_tokens(self, request_id: str) -> int | None:
         """Prompt tokens of a tracked request the events confirm cached (``None``: not tracked)."""
         with self._lock:

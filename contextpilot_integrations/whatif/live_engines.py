@@ -48,6 +48,8 @@ from ..blocks import Block
 from ..engines.client import BlockTokenizer, OpenAICompatClient
 from ..engines.sink import KvEventSink
 from ..engines.wire import KvEventBatch
+from ..pilot import ContextPilot
+from ..prepared import PreparedRequest
 from .llama_server import free_port
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "PATHS",
     "Agreement",
     "DroppingSink",
+    "dropping_subscriber",
     "EventPath",
     "LegacySink",
     "LiveEngine",
@@ -68,6 +71,7 @@ __all__ = [
     "live_engine_dir",
     "require_live_engine",
     "run_scenario",
+    "score",
     "start_sglang",
     "sglang_args",
     "start_vllm",
@@ -182,6 +186,7 @@ def vllm_args(
     port: int | str,
     *,
     events_endpoint: str | None = None,
+    replay_endpoint: str | None = None,
     blocks: int = 60,
     block_size: int = 32,
     max_model_len: int = 1536,
@@ -194,7 +199,9 @@ def vllm_args(
     args += ["--num-gpu-blocks-override", str(blocks), "--enforce-eager", "--enable-prefix-caching"]
     args += ["--enable-prompt-tokens-details", "--max-num-seqs", "4"]
     if events_endpoint is not None:
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+        config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+        if replay_endpoint is not None:
+            config["replay_endpoint"] = replay_endpoint
         args += ["--kv-events-config", json.dumps(config)]
     # dev mode: /reset_prefix_cache, to start a scenario from an empty cache
     return args, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
@@ -205,6 +212,7 @@ def start_vllm(
     log: Path,
     *,
     events_endpoint: str | None = None,
+    replay_endpoint: str | None = None,
     blocks: int = 60,
     block_size: int = 32,
     max_model_len: int = 1536,
@@ -213,11 +221,17 @@ def start_vllm(
     """vLLM-cpu serving the tiny model, ``blocks`` KV blocks of ``block_size`` tokens.
 
     ``events_endpoint``: where its KV-event PUB socket connects (a subscriber bound there,
-    e.g. ``tcp://127.0.0.1:P``).
+    e.g. ``tcp://127.0.0.1:P``); ``replay_endpoint``: where it binds its replay socket.
     """
     port = free_port()
     args, env = vllm_args(
-        where, port, events_endpoint=events_endpoint, blocks=blocks, block_size=block_size, max_model_len=max_model_len
+        where,
+        port,
+        events_endpoint=events_endpoint,
+        replay_endpoint=replay_endpoint,
+        blocks=blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
     )
     return LiveEngine(args, port, env, log, startup_timeout=startup_timeout, page_size=block_size)
 
@@ -376,17 +390,32 @@ def serve(
         first_tokens = client.block_tokenizer.tokens(render_block(prepared.blocks[0], prepared.templates))
     if ends is None or result.cached_tokens is None or result.prompt_tokens is None:
         raise RuntimeError(f"the engine did not report what the test needs: {result}")
-    head = ends[0] - len(first_tokens or ())
+    return score(prepared, ends, len(first_tokens or ()), result.cached_tokens, result.prompt_tokens, page_size)
+
+
+def score(
+    prepared: PreparedRequest,
+    block_ends: Sequence[int],
+    first_block_tokens: int,
+    cached_tokens: int,
+    prompt_tokens: int,
+    page_size: int,
+) -> Outcome:
+    """One served request's prediction against the engine's report: the pilot predicted
+    its first ``prepared.cached_blocks`` blocks cached, i.e. the prompt up to the last whole
+    page of the last of them (or the shared head before the first block, which is
+    ``first_block_tokens`` long)."""
+    head = block_ends[0] - first_block_tokens
     k = prepared.cached_blocks
-    predicted = ends[k - 1] if k else head
+    predicted = block_ends[k - 1] if k else head
     return Outcome(
         prepared.request_id,
         k,
         predicted - predicted % page_size,
-        result.cached_tokens,
-        result.prompt_tokens,
+        cached_tokens,
+        prompt_tokens,
         page_size,
-        ends[k] if k < len(ends) else None,
+        block_ends[k] if k < len(block_ends) else None,
     )
 
 
@@ -474,6 +503,8 @@ class EventPath:
         self.where = where
         self.kv_tokens = kv_tokens
         self.events_port = free_port()
+        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        """The engine's replay socket (ZMQ paths), as the README's launch lines set it."""
         self._transport: Any = None
         self.sink: KvEventSink | None = None
         """The sink of the last scenario run (for its statistics)."""
@@ -483,10 +514,19 @@ class EventPath:
     def page_size(self) -> int:
         return self.engine.page_size
 
+    @property
+    def transport(self) -> Any:
+        """The current application's listener or ZMQ subscriber (``None`` if none)."""
+        return self._transport
+
     def _start_engine(self, log: Path) -> LiveEngine:
         if self.name == "vllm-zmq":
             return start_vllm(
-                self.where, log, events_endpoint=f"tcp://127.0.0.1:{self.events_port}", blocks=self.kv_tokens // 32
+                self.where,
+                log,
+                events_endpoint=f"tcp://127.0.0.1:{self.events_port}",
+                replay_endpoint=self.replay_endpoint,
+                blocks=self.kv_tokens // 32,
             )
         if self.name == "sglang-plugin":
             config: dict[str, object] = {
@@ -498,6 +538,7 @@ class EventPath:
                 self.where, log, kv_events_config=config, max_total_tokens=self.kv_tokens, plugin_from=plugin_from
             )
         config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.events_port}", "bind": True, "topic": ""}
+        config["replay_endpoint"] = self.replay_endpoint
         return start_sglang(self.where, log, kv_events_config=config, max_total_tokens=self.kv_tokens)
 
     def restart_engine(self) -> None:
@@ -505,15 +546,25 @@ class EventPath:
         self.engine.stop()
         self.engine = self._start_engine(self.workdir / f"{self.name}-restarted.log")
 
-    def connect(self, sink_class: type[KvEventSink] = KvEventSink) -> tuple[OpenAICompatClient, KvEventSink]:
-        """A new application: a fresh pilot, its listener or subscriber, and a client."""
+    def connect(
+        self,
+        sink_class: type[KvEventSink] = KvEventSink,
+        *,
+        subscriber_class: type[Any] | None = None,
+        replay: bool = True,
+        pilot: ContextPilot | None = None,
+    ) -> tuple[OpenAICompatClient, KvEventSink]:
+        """A new application: a fresh pilot, its listener or subscriber, and a client.
+
+        ZMQ paths: ``subscriber_class`` (default :class:`ZmqEventSubscriber`) follows the
+        engine, with its replay socket and a heartbeat unless ``replay`` is false.
+        ``pilot``: the application's pilot (default: a new one)."""
         from ..engines.kv_mapping import EngineBlockMap
         from ..engines.listener import EvictionListener
         from ..engines.zmq_subscriber import ZmqEventSubscriber
-        from ..pilot import ContextPilot
 
         self.disconnect()
-        pilot = ContextPilot()
+        pilot = pilot if pilot is not None else ContextPilot()
         endpoint = f"tcp://127.0.0.1:{self.events_port}"
         if self.name == "sglang-plugin":
             listener = EvictionListener(pilot, port=self.events_port, page_size=self.page_size)
@@ -524,7 +575,12 @@ class EventPath:
             deadline = time.monotonic() + 5.0
             while True:  # a closed socket gives its port back asynchronously
                 try:
-                    self._transport = ZmqEventSubscriber(sink, endpoint, bind=self.name == "vllm-zmq")
+                    recovery: dict[str, Any] = (
+                        {"replay_endpoint": self.replay_endpoint, "heartbeat": 0.5} if replay else {}
+                    )
+                    self._transport = (subscriber_class or ZmqEventSubscriber)(
+                        sink, endpoint, bind=self.name == "vllm-zmq", **recovery
+                    )
                     break
                 except Exception as exc:  # zmq.ZMQError: address in use, for a moment
                     if "in use" not in str(exc) or time.monotonic() > deadline:
@@ -565,16 +621,37 @@ class LegacySink(KvEventSink):
 
 
 class DroppingSink(KvEventSink):
-    """Loses two consecutive event batches once (the 20th and 21st): a transport hiccup."""
+    """Loses two consecutive event batches once (the 20th and 21st with events; empty
+    heartbeats do not count): a transport hiccup."""
 
     DROP = (20, 21)
 
     def apply(self, batch: KvEventBatch) -> bool:
+        if not batch.events:
+            return super().apply(batch)
         seen = getattr(self, "_seen", 0) + 1
         self._seen = seen
         if seen in self.DROP:
             return True
         return super().apply(batch)
+
+
+def dropping_subscriber() -> type[Any]:
+    """A ZMQ subscriber that never receives two consecutive batches once (the 20th and
+    21st): what PUB/SUB does to a subscriber that falls behind or reconnects. It recovers
+    them from the engine's replay socket, at the next batch or after a heartbeat."""
+    from ..engines.zmq_subscriber import ZmqEventSubscriber
+
+    class DroppingSubscriber(ZmqEventSubscriber):
+        DROP = DroppingSink.DROP
+
+        def _receive(self, frames: list[bytes]) -> None:
+            self._received = getattr(self, "_received", 0) + 1
+            if self._received in self.DROP:
+                return
+            super()._receive(frames)
+
+    return DroppingSubscriber
 
 
 def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: int = 0) -> list[Outcome]:
@@ -583,15 +660,24 @@ def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: in
     ``scenario``: ``"normal"`` (a fresh application on an empty engine), ``"app-restarted"``
     (10 requests, then a new pilot with a new listener/subscriber against the running
     engine, then 33 scored ones: 3 to converge, 30 converged) or ``"batches-dropped"``
-    (two event batches lost).
+    (two event batches lost: posted by our plugin but never applied, as if the listener
+    had failed them; over ZMQ, never received by the subscriber).
     ``fixed=False`` runs the code as it was before issue 24 (:class:`LegacySink`, no block
-    ends), for the benchmark's before/after.
+    ends, no replay socket or heartbeat), for the benchmark's before/after.
     """
     path.flush()
     sink_class: type[KvEventSink] = LegacySink if not fixed else KvEventSink
+    subscriber_class = None
     if scenario == "batches-dropped":
-        sink_class = type("Dropping" + sink_class.__name__, (DroppingSink, sink_class), {})
-    client, sink = path.connect(sink_class)
+        if path.name == "sglang-plugin":
+            sink_class = type("Dropping" + sink_class.__name__, (DroppingSink, sink_class), {})
+        else:
+            subscriber_class = dropping_subscriber()
+
+    def connect() -> tuple[OpenAICompatClient, KvEventSink]:
+        return path.connect(sink_class, subscriber_class=subscriber_class, replay=fixed)
+
+    client, sink = connect()
     path.sink = sink
     warm_head(path.engine.url)
     if not fixed:
@@ -601,7 +687,7 @@ def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: in
         for n, blocks in enumerate(requests[:10]):
             serve(client, blocks, f"question {n}", path.page_size, sink)
         client.close()
-        client, sink = path.connect(sink_class)
+        client, sink = connect()
         path.sink = sink
         if not fixed:
             client.block_tokenizer.engine = "off"

@@ -18,6 +18,7 @@ from langchain_core.runnables import ensure_config
 
 from contextpilot_integrations.binding import Binding, checked_for_sending
 from contextpilot_integrations.engines import wire
+from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import as_engine_error
 
@@ -26,6 +27,7 @@ from . import _binding
 BINDING_KWARG = "_contextpilot_binding"
 """A routed call names its request to the target's model explicitly."""
 PROMPT_IDS_KEY = "prompt_token_ids"
+BLOCK_ENDS_KEY = "block_ends"
 
 
 def bind(
@@ -64,7 +66,29 @@ def with_ids(
     return {**kwargs, "extra_body": extra}
 
 
-def report(binding: Binding | None, message: Any, *, usage_feedback: bool, tracker: EventTracker | None) -> None:
+def block_ends(tokenizer: BlockTokenizer | None, binding: Binding | None, message: Any) -> list[int] | None:
+    """Where each block of the request ends in the prompt's token ids the engine returned
+    (the core client's :class:`BlockTokenizer`: each distinct block tokenized once by the
+    engine), recorded in the message's ``response_metadata["block_ends"]``. ``None`` when
+    unknown: the conservative mapping."""
+    metadata = getattr(message, "response_metadata", None)
+    ids = (metadata or {}).get(PROMPT_IDS_KEY)
+    if tokenizer is None or binding is None or not ids:
+        return None
+    ends = tokenizer.block_ends(binding.prepared, ids)
+    if ends is not None and isinstance(metadata, dict):
+        metadata[BLOCK_ENDS_KEY] = list(ends)
+    return ends
+
+
+def report(
+    binding: Binding | None,
+    message: Any,
+    *,
+    usage_feedback: bool,
+    tracker: EventTracker | None,
+    block_ends: list[int] | None = None,
+) -> None:
     """The engine's counts (LangChain's standard ``usage_metadata``) to the request's pilot."""
     if binding is None or message is None:
         return
@@ -80,6 +104,7 @@ def report(binding: Binding | None, message: Any, *, usage_feedback: bool, track
         usage_feedback=usage_feedback,
         tracker=tracker,
         input_ids=ids,
+        block_ends=block_ends,
     )
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -25,6 +26,7 @@ from pydantic import Field, model_validator
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
+from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.hosted_usage import report_provider_served
 
@@ -70,6 +72,32 @@ class _SendsPreparedRequests:
     def _provider_extra_body(self) -> dict[str, Any] | None:
         return None
 
+    def _engine_base_url(self) -> str | None:
+        """The OpenAI-compatible engine's URL, where its ``/tokenize`` is (``None``: none)."""
+        return None
+
+    def _block_tokenizer(self) -> BlockTokenizer | None:
+        """With an event sink and an engine that tokenizes (SGLang, vLLM): the core client's
+        tokenizer of blocks, one per model, so block ends reach the sink (exact mapping)."""
+        if self.event_sink is None or self.engine not in ("sglang", "vllm"):
+            return None
+        base_url = self._engine_base_url()
+        if not base_url:
+            return None
+        tokenizers: dict[tuple[str, str], BlockTokenizer] = self.__dict__.setdefault("_contextpilot_tokenizers", {})
+        cached = tokenizers.get((base_url, self.engine))
+        if cached is None:
+            key = getattr(self, "openai_api_key", None) or getattr(self._wrapped_llm(), "openai_api_key", None)
+            secret = key.get_secret_value() if key is not None else ""
+            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+            model = getattr(self, "model_name", None) or getattr(self._wrapped_llm(), "model_name", None) or "default"
+            cached = BlockTokenizer(base_url, self.engine, model=model, headers=headers)
+            cached = tokenizers.setdefault((base_url, self.engine), cached)
+        return cached
+
+    def _wrapped_llm(self) -> Any:
+        return None
+
     # the calls ------------------------------------------------------------------------------
     def _before(
         self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
@@ -81,8 +109,16 @@ class _SendsPreparedRequests:
         return binding, sent, kwargs
 
     def _after(self, binding: Binding | None, message: Any) -> None:
+        ends = _model_calls.block_ends(self._block_tokenizer(), binding, message)
         feedback = self.event_sink is None if self.usage_feedback is None else self.usage_feedback
-        _model_calls.report(binding, message, usage_feedback=feedback, tracker=self.event_sink)
+        _model_calls.report(binding, message, usage_feedback=feedback, tracker=self.event_sink, block_ends=ends)
+
+    async def _aafter(self, binding: Binding | None, message: Any) -> None:
+        """:meth:`_after`, its ``/tokenize`` calls (new blocks only) off the event loop."""
+        if self._block_tokenizer() is None or binding is None:
+            self._after(binding, message)
+        else:
+            await asyncio.to_thread(self._after, binding, message)
 
     def _failure(self, run_manager: Any, binding: Binding | None, exc: BaseException) -> BaseException:
         _model_calls.failed(run_manager, binding, self.event_sink)
@@ -121,7 +157,7 @@ class _SendsPreparedRequests:
             _reraise(self._failure(run_manager, binding, exc), exc)
         finally:
             _SENDING.reset(sending)
-        self._after(binding, result.generations[0].message if result.generations else None)
+        await self._aafter(binding, result.generations[0].message if result.generations else None)
         return result
 
     def _stream(
@@ -167,7 +203,7 @@ class _SendsPreparedRequests:
             raise
         except BaseException as exc:
             _reraise(self._failure(run_manager, binding, exc), exc)
-        self._after(binding, merged)
+        await self._aafter(binding, merged)
 
 
 def _reraise(error: BaseException, original: BaseException) -> Any:
@@ -274,6 +310,13 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
                 usage_feedback=feedback,
             )
 
+    def _engine_base_url(self) -> str | None:
+        base_url = getattr(self.llm, "openai_api_base", None)
+        return base_url if isinstance(base_url, str) else None
+
+    def _wrapped_llm(self) -> Any:
+        return self.llm
+
     def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Ask for usage in streams where the model takes ``stream_usage``."""
         if "stream_usage" in inspect.signature(self.llm._stream).parameters:
@@ -308,7 +351,10 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
     id). After the answer, the server's token counts go back to that request's pilot, and:
 
     - with ``event_sink`` (a listener's ``.sink``, or the sink a ZMQ subscriber feeds), the
-      prompt's token ids, so the engine's KV events can be mapped to the request;
+      prompt's token ids, so the engine's KV events can be mapped to the request, and where
+      each block ends in them (each distinct block tokenized once through the engine's
+      ``/tokenize``; also in ``response_metadata["block_ends"]``), so a lost tail page
+      keeps the leading blocks predicted;
     - without one, ``usage_feedback``: cached tokens below the prediction drop what the
       engine no longer has from the index.
 
@@ -348,6 +394,9 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
 
     def _provider_extra_body(self) -> dict[str, Any] | None:
         return dict(self.extra_body or {})
+
+    def _engine_base_url(self) -> str | None:
+        return self.openai_api_base
 
     def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
         return ChatOpenAI._generate(self, messages, stop=stop, run_manager=run_manager, **kwargs)

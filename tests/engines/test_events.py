@@ -136,7 +136,8 @@ def test_ten_thousand_events_a_second_for_ten_seconds() -> None:
 
 
 @pytest.mark.parametrize("kind", ["radix", "unified-python", "unified-rust"])
-def test_index_follows_sglang_evictions(kind: str) -> None:
+def test_index_follows_sglang_evictions(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONTEXTPILOT_EVENTS_HEARTBEAT", "0")  # count only the batches published here
     sgl = import_sglang()
     from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventBatch
     from sglang.srt.plugins import load_plugins
@@ -222,7 +223,7 @@ def test_plugin_publisher_drops_and_the_gap_is_seen() -> None:
 
     pilot = ContextPilot()
     with EvictionListener(pilot) as running:
-        publisher = ContextPilotHttpPublisher(endpoint=running.kv_events_url, max_queue_size=1)
+        publisher = ContextPilotHttpPublisher(endpoint=running.kv_events_url, max_queue_size=1, heartbeat=None)
 
         def batch(h: int) -> KVEventBatch:
             event = BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[h], block_size=1, lora_id=None)

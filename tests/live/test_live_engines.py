@@ -20,6 +20,7 @@ from contextpilot_integrations.whatif.live_engines import (
     PATHS,
     SYSTEM_PROMPT,
     EventPath,
+    Outcome,
     agreement,
     require_live_engine,
     run_scenario,
@@ -71,13 +72,20 @@ def test_the_request_id_reaches_the_engine_and_cached_tokens_come_back(path: Eve
     assert sink.stats().tracked_requests == 2 and sink.stats().engine_blocks > 0
 
 
+def meets_the_criterion(outcomes: list[Outcome], scored: int = 30) -> None:
+    """Issue 24: of the ``scored`` last requests, at least all but one within one page of
+    the engine's ``cached_tokens``, and no over-prediction after the first 3 requests."""
+    assert len(outcomes) == scored
+    result = agreement(outcomes)
+    assert result.agree >= scored - 1, [o for o in outcomes if not o.agrees]
+    assert agreement(outcomes[3:]).over == 0, [o for o in outcomes[3:] if o.over]
+
+
 def test_the_index_follows_the_engine_through_evictions(path: EventPath) -> None:
     outcomes = run_scenario(path, "normal")
-    result = agreement(outcomes)
-    print(f"\n{path.name} under eviction: {result}")
+    print(f"\n{path.name} under eviction: {agreement(outcomes)}")
     assert path.sink is not None and path.sink.stats().requests_shortened > 0  # the engine did evict
-    assert result.over == 0
-    assert result.rate >= 0.9
+    meets_the_criterion(outcomes)
 
 
 def test_a_restarted_application_converges_to_the_running_engine(path: EventPath) -> None:
@@ -86,10 +94,34 @@ def test_a_restarted_application_converges_to_the_running_engine(path: EventPath
     outcomes = run_scenario(path, "app-restarted")
     late = agreement(outcomes[3:])
     print(f"\n{path.name} application restarted: first 3: {agreement(outcomes[:3])}; the next 30: {late}")
-    assert path.sink is not None and path.sink.stats().anchored_pages > 0
-    # a disagreement where the engine still held part of a block (its later pages evicted)
-    # is the block granularity of the index, not a late start: counted apart
-    assert late.requests == 30 and late.agree + late.partial >= 29 and late.over == 0
+    assert path.sink is not None
+    if path.name == "sglang-plugin":  # pages stored before we listened: anchored by the engine's reports
+        assert path.sink.stats().anchored_pages > 0
+    else:  # the subscriber fetched what it missed from the engine's replay socket (or anchored it)
+        assert path.transport.snapshot().replayed_batches > 0 or path.sink.stats().anchored_pages > 0
+    assert agreement(outcomes).over == 0  # never a hit the engine cannot give, from the start
+    if path.name == "vllm-zmq" and late.agree < 29 and late.agree + late.partial >= 29:
+        # vLLM frees a prompt's pages from the tail: the engine may still hold the first
+        # pages of a block whose last ones it evicted, which an index of whole blocks
+        # predicts as missing (more than a page below); and a prefix served only before
+        # the restart is unknown to the new pilot. Measured 28/30 here: issue 24 stays open
+        pytest.xfail(f"{late}: under-predictions inside a partly evicted block")
+    meets_the_criterion(outcomes[3:])  # the first 3 converge; the 30 after them are scored
+
+
+def test_two_lost_event_batches_are_noticed_before_they_mislead(path: EventPath) -> None:
+    """Issue 24: two consecutive batches lost. Our plugin's heartbeat shows the gap within a
+    second (the index resets, then converges); over ZMQ the subscriber fetches the missed
+    batches from the engine's replay socket (at the next batch, or after a heartbeat)."""
+    outcomes = run_scenario(path, "batches-dropped")
+    print(f"\n{path.name} two batches dropped: {agreement(outcomes)}")
+    assert path.sink is not None
+    if path.name == "sglang-plugin":
+        assert path.sink.stats().sequence_gaps >= 1  # the loss was seen
+    else:
+        seen = path.transport.snapshot()  # replayed, or (the replay too slow) reset
+        assert seen.recovered_gaps + seen.unrecovered_gaps >= 1
+    meets_the_criterion(outcomes)
 
 
 def test_an_engine_restarted_mid_run_resets_the_prediction(path: EventPath) -> None:

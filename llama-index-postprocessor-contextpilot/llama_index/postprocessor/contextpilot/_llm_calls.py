@@ -18,6 +18,7 @@ from llama_index.core.base.llms.types import ChatMessage, TextBlock
 
 from contextpilot_integrations.binding import Binding, checked_for_sending
 from contextpilot_integrations.engines import wire
+from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import EngineError, as_engine_error
 
@@ -90,10 +91,14 @@ def report(
     usage_feedback: bool,
     tracker: EventTracker | None,
     ids: list[int] | None = None,
+    tokenizer: BlockTokenizer | None = None,
 ) -> int | None:
-    """The provider's counts to the request's pilot; returns the cached tokens read."""
+    """The provider's counts to the request's pilot; returns the cached tokens read.
+    ``tokenizer``: where each block ends in the prompt's token ids is found with it."""
     prompt, cached, found = usage_of(raw)
+    prompt_ids = ids or found
     if binding is not None and prompt is not None:
+        ends = tokenizer.block_ends(binding.prepared, prompt_ids) if tokenizer is not None and prompt_ids else None
         report_served(
             binding.pilot,
             binding.prepared,
@@ -102,7 +107,8 @@ def report(
             before_tokens=binding.before_tokens,
             usage_feedback=usage_feedback,
             tracker=tracker,
-            input_ids=ids or found,
+            input_ids=prompt_ids,
+            block_ends=ends,
         )
     return cached
 

@@ -29,6 +29,7 @@ from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
+from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import _llm_calls, cache_points
@@ -49,11 +50,21 @@ class _Reports:
     def _feedback(self) -> bool:
         return self.event_sink is None if self.usage_feedback is None else self.usage_feedback
 
+    def _block_tokenizer(self) -> BlockTokenizer | None:
+        """The core client's tokenizer of blocks, where the engine has ``/tokenize``."""
+        return None
+
     def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
         if response is None:
             return None
+        tokenizer = self._block_tokenizer() if self.event_sink is not None and binding is not None else None
         cached = _llm_calls.report(
-            binding, response.raw, usage_feedback=self._feedback(), tracker=self.event_sink, ids=ids
+            binding,
+            response.raw,
+            usage_feedback=self._feedback(),
+            tracker=self.event_sink,
+            ids=ids,
+            tokenizer=tokenizer,
         )
         if cached is not None:
             response.additional_kwargs["cached_tokens"] = cached
@@ -305,6 +316,18 @@ class SGLangLLM(_Reports, OpenAILike):
     @classmethod
     def class_name(cls) -> str:
         return "SGLangLLM"
+
+    def _block_tokenizer(self) -> BlockTokenizer | None:
+        """Block ends for ``event_sink`` (exact mapping): each distinct block tokenized once
+        by the engine (SGLang, vLLM); called on the thread that finished the call."""
+        if self.server not in ("sglang", "vllm") or not self.api_base:
+            return None
+        tokenizers: dict[str, BlockTokenizer] = self.__dict__.setdefault("_contextpilot_tokenizers", {})
+        if self.api_base not in tokenizers:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            tokenizer = BlockTokenizer(self.api_base, self.server, model=self.model, headers=headers)
+            tokenizers.setdefault(self.api_base, tokenizer)
+        return tokenizers[self.api_base]
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
         rid = kwargs.pop(_RID_KWARG, None) or _llm_calls.request_id(None)
