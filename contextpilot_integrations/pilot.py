@@ -27,7 +27,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import BlockTypeError, DuplicateRequestError
-from .gain import Choice, annotation_tokens, choose_order, label_tokens, plain_keys
+from .gain import PLAIN, Choice, annotation_tokens, choose_order, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -746,10 +746,11 @@ class ContextPilot:
         with self._lock:
             if request_id in self._live or request_id in self._reserved:
                 return False
+            blocks = [key.removeprefix(PLAIN) for key in order]  # sent plain or labelled, the same blocks
             if self._strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
-                self._strategy.commit(PlannedBatch([], []), [(request_id, order)])
+                self._strategy.commit(PlannedBatch([], []), [(request_id, blocks)])
             else:
-                self._strategy.order(request_id, order)  # the paper's tree learns the request
+                self._strategy.order(request_id, blocks)  # the paper's tree learns the request
             self._trie.insert(request_id, order)
             self._live[request_id] = next(self._ticks)
             self._orders[request_id] = tuple(order)

@@ -1,4 +1,5 @@
-"""Cache plans: markers where the shared prefix ends, within each provider's rules."""
+"""Cache plans: markers where the shared prefix ends, within each provider's rules (pilots label
+every block here, ``plain_prompts=False``: requests with the same leading blocks share their text)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _prepared(ids: list[str], tokens: int = 600, cached: int = 0) -> PreparedReq
 
 
 def test_marker_right_after_the_predicted_shared_prefix() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     first = pilot.prepare(_blocks(["a", "b", "c", "d", "e", "f"]), "q1")
     second = pilot.prepare(_blocks(["a", "b", "c", "x", "y", "z"]), "q2")
     assert [b.id for b in second.blocks[:3]] == ["a", "b", "c"] and second.cached_blocks == 3
@@ -34,7 +35,7 @@ def test_marker_right_after_the_predicted_shared_prefix() -> None:
     assert {2, 3} <= set(plan_cache(second, "anthropic", "claude-sonnet-4-5").block_breakpoints)
     # writing ahead marks the end of the blocks too (the default in a conversation)
     assert 5 in plan_cache(second, "anthropic", write_ahead=True).block_breakpoints
-    chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
+    chat = ContextPilot(plain_prompts=False).prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
     assert plan_cache(chat, "anthropic", speculate_blocks=0).block_breakpoints == (2,)
     # the index also tells the first request where the second one's shared part ends
     assert pilot.shared_depths(first) == (3,)
@@ -57,7 +58,7 @@ def test_no_marker_below_the_minimum_and_the_plan_says_why(provider: str) -> Non
     plan = plan_cache(prepared, provider, "claude-haiku-4-5")  # type: ignore[arg-type]
     assert plan.block_breakpoints == () and not plan.mark_history and not plan.mark_prefix
     assert plan.skipped == "below minimum 4096 tokens for claude-haiku-4-5"
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     pilot.note_cache_plan(plan)
     assert pilot.stats().cache_plans_skipped == {plan.skipped: 1}
 
@@ -138,7 +139,7 @@ def test_plans_obey_the_provider_rules(
 
 
 def test_openai_key_is_shared_by_requests_that_share_leading_blocks() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     first = pilot.prepare(_blocks(["a", "b", "c"]), "q1")
     second = pilot.prepare(_blocks(["a", "b", "x"]), "q2")
     other = pilot.prepare(_blocks(["m", "n"]), "q3")
@@ -185,13 +186,13 @@ def test_bad_arguments_raise() -> None:
 
 
 def test_openai_gpt_5_6_takes_explicit_breakpoints_and_a_key() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)
     pilot.prepare(_blocks(["a", "b", "c", "d"]), "q1")
     second = pilot.prepare(_blocks(["a", "b", "c", "x"]), "q2")
     plan = plan_cache(second, "openai", "gpt-5.6-terra")
     assert 2 in plan.block_breakpoints and plan.prompt_cache_key is not None
     assert plan.explicit_only and plan.markers <= 4  # no managed breakpoint: all 4 writes are ours
-    chat = ContextPilot().prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
+    chat = ContextPilot(plain_prompts=False).prepare(_blocks(["a", "b", "c"]), "q", "conversation-1")
     in_chat = plan_cache(chat, "openai", "gpt-5.6-terra", history_tokens=2000)
     assert not in_chat.explicit_only and in_chat.markers <= 3  # the managed one takes the 4th write
     older = plan_cache(second, "openai", "gpt-5")

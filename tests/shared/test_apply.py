@@ -100,7 +100,7 @@ def test_own_entries_are_not_applied_twice() -> None:
     pilot = ContextPilot()
     applier = Applier(pilot)
     prepared = pilot.prepare([{"id": "a", "text": "a"}, {"id": "b", "text": "b"}], "q")
-    order = [block.id for block in prepared.blocks]
+    order = list(dict(pilot.live_orders())[prepared.request_id])  # the index's keys (plain or labelled)
     pilot.truncate(prepared.request_id, 1)
     applier.apply(("sent", prepared.request_id, order, [1, 1], 0.0), own=True)  # still live: nothing
     applier.apply(("truncated", prepared.request_id, 1, 0.0), own=True)
@@ -130,3 +130,15 @@ def test_bad_entries_are_skipped_and_bad_messages_rejected() -> None:
         assert decode_batch(data) is None
     batch = Batch("x", 7, [("evicted", ["r1"], 1.5)])
     assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_a_block_another_worker_sent_plain_counts_as_recurring() -> None:
+    """Blocks another worker sent without labels are the same blocks: a worker that sees
+    them again labels them, as it would had it sent them itself."""
+    docs = [{"id": f"d{n}", "text": f"text {n}", "tokens": 300} for n in range(3)]
+    alone, other = ContextPilot(), ContextPilot()
+    first = other.prepare(docs[:2], "q1")
+    assert not first.labels  # a first sight goes out as without ContextPilot
+    sent = list(dict(other.live_orders())[first.request_id])
+    Applier(alone).apply(("sent", first.request_id, sent, [300, 300], 0.0), own=False)
+    assert alone.prepare(docs, "q2").labels == other.prepare(docs, "q2").labels == True  # noqa: E712

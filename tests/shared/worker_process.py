@@ -35,8 +35,9 @@ def run(worker: int, url: str, snapshot_interval: float, pipe: Connection) -> No
                 sent = {}
                 for index in range(first, first + count):
                     prepared = pilot.prepare(request_blocks(worker, index), "q", request_id=f"w{worker}-{index}")
-                    sent[prepared.request_id] = tuple(block.id for block in prepared.blocks)
-                pipe.send((True, sent))
+                    sent[prepared.request_id] = ()
+                indexed = dict(pilot.live_orders())  # the index's keys: plain or labelled blocks
+                pipe.send((True, {rid: indexed[rid] for rid in sent}))
             elif command == "evict":
                 pipe.send((True, pilot.evict(args[0])))
             elif command == "truncate":

@@ -4,7 +4,9 @@ the hosted APIs (which cannot be reached from here; contextpilot_integrations.wh
 driven over real HTTP by the providers' real SDKs. Every request body is asserted: the
 provider's marker right where the shared prefix ends, at most 4, none below the model's
 minimum, one prompt_cache_key for requests that share their leading documents, and the
-provider's cache reads and writes back in the pilot's statistics."""
+provider's cache reads and writes back in the pilot's statistics. The pilots label every document
+(``plain_prompts=False``), so requests with the same leading documents share their text;
+a first sight sent plain is tested with the rule that decides it (tests/test_gain.py)."""
 
 from __future__ import annotations
 
@@ -149,7 +151,7 @@ def check_usage_back_in_the_pilot(pilot: ContextPilot, answers: list[Any], provi
 # ---- Anthropic: cache_control on the text block where the shared prefix ends ------------------------------
 def test_chat_anthropic_marks_where_the_shared_prefix_ends_and_reports_reads_and_writes() -> None:
     with fake_anthropic() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         llm = ContextPilotChatModel(
             llm=ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x", max_tokens=5, max_retries=0)
         )
@@ -162,7 +164,7 @@ def test_chat_anthropic_marks_where_the_shared_prefix_ends_and_reports_reads_and
 
 def test_chat_anthropic_adds_no_marker_below_the_models_minimum() -> None:
     with fake_anthropic() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         llm = ContextPilotChatModel(
             llm=ChatAnthropic(model="claude-haiku-4-5", base_url=fake.url, api_key="x", max_tokens=5, max_retries=0)
         )
@@ -185,7 +187,7 @@ def test_chat_anthropic_keeps_the_callers_own_markers_within_four() -> None:
         ]
     )
     with fake_anthropic() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         llm = ContextPilotChatModel(llm=ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x"))
         retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=6), pilot=pilot)
         chain = (
@@ -201,7 +203,7 @@ def test_chat_anthropic_keeps_the_callers_own_markers_within_four() -> None:
 # ---- Bedrock: a cachePoint block after the text where the shared prefix ends ---------------------------------
 def test_chat_bedrock_converse_puts_cache_points_where_the_shared_prefix_ends() -> None:
     with fake_bedrock() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         bedrock = ChatBedrockConverse(
             model="anthropic.claude-sonnet-4-5-20250929-v1:0",
             endpoint_url=fake.url,
@@ -218,7 +220,7 @@ def test_chat_bedrock_converse_puts_cache_points_where_the_shared_prefix_ends() 
 # ---- OpenAI: prompt_cache_key from the leading documents ------------------------------------------------------
 def test_chat_openai_sends_one_prompt_cache_key_for_requests_sharing_their_leading_documents() -> None:
     with fake_openai() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         openai = ChatOpenAI(model="gpt-5", base_url=fake.base_url, api_key="x", max_retries=0)
         assert provider_of(openai) is None  # not OpenAI's own URL: no key unless asked for
         chain = rag_chain(pilot, ContextPilotChatModel(llm=openai, provider="openai"))
@@ -242,7 +244,7 @@ def test_chat_openai_gpt_5_6_gets_explicit_breakpoints_where_the_shared_prefix_e
     """From GPT-5.6 on, content parts take prompt_cache_breakpoint; outside a conversation
     the plan asks for explicit mode (no managed breakpoint writing the question too)."""
     with fake_openai() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         openai = ChatOpenAI(model="gpt-5.6", base_url=fake.base_url, api_key="x", max_retries=0)
         chain = rag_chain(pilot, ContextPilotChatModel(llm=openai, provider="openai"))
         for query in QUERIES:
@@ -257,7 +259,7 @@ def test_chat_openai_gpt_5_6_gets_explicit_breakpoints_where_the_shared_prefix_e
 
 def test_a_callers_own_prompt_cache_key_wins() -> None:
     with fake_openai() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         llm = ContextPilotChatModel(
             llm=ChatOpenAI(model="gpt-5", base_url=fake.base_url, api_key="x"), provider="openai"
         )
@@ -269,7 +271,7 @@ def test_a_callers_own_prompt_cache_key_wins() -> None:
 # ---- Gemini: the order is all that helps ----------------------------------------------------------------------
 def test_chat_google_generative_ai_gets_the_order_and_reports_implicit_cache_hits() -> None:
     with fake_gemini() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         gemini = ChatGoogleGenerativeAI(model="gemini-2.5-flash", base_url=fake.url, api_key="fake")
         assert provider_of(gemini) == "gemini"
         chain = rag_chain(pilot, ContextPilotChatModel(llm=gemini))
@@ -283,7 +285,7 @@ def test_chat_google_generative_ai_gets_the_order_and_reports_implicit_cache_hit
 
 def test_streamed_and_async_calls_are_marked_too() -> None:
     with fake_anthropic() as fake:
-        pilot = ContextPilot()
+        pilot = ContextPilot(plain_prompts=False)
         llm = ContextPilotChatModel(llm=ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x"))
         chain = rag_chain(pilot, llm)
         assert "".join(str(chunk.content) for chunk in chain.stream(QUERY))
