@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..gain import plain_keys
 from ..pilot import ContextPilot
 from .replay import (
     Arrival,
@@ -93,6 +94,8 @@ def replay_workers(
         entries: list[_Entry] = []
         if shared:
             order = [block.id for block in prepared.blocks]
+            if not prepared.labels:  # sent plain: the index keys them apart from labelled blocks
+                order = plain_keys(order)
             entries.append((worker, "record_sent", (rid, order)))
         entries += _feedback(pilots, served, feedback, owner, layout, prepared, worker)
         for entry in entries if shared else ():
