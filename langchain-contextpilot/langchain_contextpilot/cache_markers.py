@@ -28,9 +28,8 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
-from contextpilot_integrations.hosted_keys import leading_text_key
-from contextpilot_integrations.providers import CachePlan, plan_cache
-from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
+from contextpilot_integrations.hosted_plans import plan_bound_call, with_cache_key
+from contextpilot_integrations.providers import CachePlan
 
 __all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage"]
 
@@ -118,22 +117,11 @@ def mark_messages(
     in_last_turn = first is not None and first[0][0] == last_human
     history = out[start:last_human] if in_last_turn and last_human > start else []
     history_tokens = sum(len(_text_of(message)) for message in history) // CHARS_PER_TOKEN
-    depths = binding.pilot.shared_depths(prepared) if hasattr(binding.pilot, "shared_depths") else None
-    plan = plan_cache(
-        prepared,
-        provider,  # type: ignore[arg-type]
-        model,
-        prefix_tokens=max(binding.before_tokens - history_tokens, 0),
-        history_tokens=history_tokens if binding.before_tokens >= history_tokens else 0,
-        max_breakpoints=budget,
-        shared_depths=depths,
-    )
+    plan = plan_bound_call(binding, provider, model, history_tokens=history_tokens, max_breakpoints=budget)
     call_kwargs = dict(kwargs)
-    if provider == "openai" and plan.prompt_cache_key and "prompt_cache_key" not in call_kwargs:
-        key = plan.prompt_cache_key
-        if conversation or binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
-            key = leading_text_key([_text_of(message) for message in out])
-        call_kwargs["prompt_cache_key"] = key
+    if provider == "openai":
+        texts = [_text_of(message) for message in out]
+        call_kwargs = with_cache_key(plan, call_kwargs, binding, lambda: texts, follows_conversation=conversation)
     if provider == "openai" and plan.explicit_only and "prompt_cache_options" not in call_kwargs:
         call_kwargs["prompt_cache_options"] = {"mode": "explicit"}
     last_message = conversation and provider in ("anthropic", "bedrock")

@@ -23,9 +23,8 @@ from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessa
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
-from contextpilot_integrations.hosted_keys import leading_text_key
-from contextpilot_integrations.providers import CachePlan, plan_cache
-from contextpilot_integrations.providers.cache_key import ROUTING_TOKENS
+from contextpilot_integrations.hosted_plans import plan_bound_call, with_cache_key
+from contextpilot_integrations.providers import CachePlan
 
 __all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
 
@@ -75,22 +74,10 @@ def mark_chat(
     start = 1 if out and out[0].role == MessageRole.SYSTEM else 0
     history = out[start:last_user] if first is not None and first[0] == last_user and last_user > start else []
     history_tokens = sum(len(_text(message)) for message in history) // CHARS_PER_TOKEN
-    depths = binding.pilot.shared_depths(prepared) if hasattr(binding.pilot, "shared_depths") else None
-    plan = plan_cache(
-        prepared,
-        provider,  # type: ignore[arg-type]
-        model,
-        prefix_tokens=max(binding.before_tokens - history_tokens, 0),
-        history_tokens=history_tokens if binding.before_tokens >= history_tokens else 0,
-        max_breakpoints=budget,
-        shared_depths=depths,
-    )
+    plan = plan_bound_call(binding, provider, model, history_tokens=history_tokens, max_breakpoints=budget)
     call_kwargs = dict(kwargs)
-    if provider == "openai" and plan.prompt_cache_key and "prompt_cache_key" not in call_kwargs:
-        key = plan.prompt_cache_key
-        if binding.before_tokens >= ROUTING_TOKENS:  # documents after a conversation's start
-            key = leading_text_key([_text(message) for message in out])
-        call_kwargs["prompt_cache_key"] = key
+    if provider == "openai":
+        call_kwargs = with_cache_key(plan, call_kwargs, binding, lambda: [_text(message) for message in out])
     if provider != "anthropic" or budget <= 0:
         return MarkedChat(out, call_kwargs, plan, 0)
     cuts: dict[tuple[int, int], list[int]] = {}
