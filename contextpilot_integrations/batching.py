@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .blocks import Block, BlockLike, normalize_blocks
-from .pilot import BatchRequest, _check_conversation_id, _check_kept_turns, _check_query
+from .pilot import BatchRequest
 from .prepared import PreparedRequest
+from .validation import check_conversation_id, check_kept_turns, check_query
 
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
 
@@ -74,9 +75,9 @@ def _checked_request(
     if not isinstance(blocks, (str, bytes, Mapping, Block)) and isinstance(blocks, Iterable):
         blocks = list(blocks)  # an iterator is read once: here, not again when planned
     normalize_blocks(blocks)
-    _check_query(query)
-    _check_conversation_id(conversation_id)
-    kept = _check_kept_turns(kept_turns)
+    check_query(query)
+    check_conversation_id(conversation_id)
+    kept = check_kept_turns(kept_turns)
     return BatchRequest(blocks, query, conversation_id, kept)  # type: ignore[arg-type]
 
 

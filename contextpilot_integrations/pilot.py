@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
-from .errors import BlockTypeError, DuplicateRequestError
+from .errors import DuplicateRequestError
 from .gain import PLAIN, Choice, annotation_tokens, choose_order, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
@@ -34,6 +34,7 @@ from .prepared import PreparedRequest, Reference, make_reference
 from .providers.plan import CachePlan
 from .providers.usage import ProviderTotals, ProviderUsage
 from .usage import check_token_count, check_usage
+from .validation import check_conversation_id, check_count, check_kept_turns, check_query, check_request_id
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 
@@ -172,7 +173,7 @@ class ContextPilot:
         if max_live_requests < 1:
             raise ValueError("max_live_requests must be at least 1")
         if cache_tokens is not None:
-            _check_count("cache_tokens", cache_tokens)
+            check_count("cache_tokens", cache_tokens)
         self.cache_tokens = cache_tokens
         self.plain_prompts = plain_prompts
         self.templates = templates or DEFAULT_TEMPLATES
@@ -246,9 +247,9 @@ class ContextPilot:
                 given twice with different texts. Nothing is recorded then.
         """
         normalized, merged = normalize_blocks(blocks)
-        _check_query(query)
-        _check_conversation_id(conversation_id)
-        kept = _check_kept_turns(kept_turns)
+        check_query(query)
+        check_conversation_id(conversation_id)
+        kept = check_kept_turns(kept_turns)
         with self._lock:
             return self._prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
 
@@ -267,7 +268,7 @@ class ContextPilot:
     def _new_request_id(self, request_id: str | None) -> str:
         if request_id is None:
             return f"{self._id_prefix}{next(self._ids)}"
-        _check_request_id(request_id)
+        check_request_id(request_id)
         if request_id in self._live or request_id in self._reserved:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
         return request_id
@@ -392,11 +393,11 @@ class ContextPilot:
         for index, item in enumerate(items):
             try:
                 normalized.append(normalize_blocks(item.blocks))
-                _check_query(item.query)
-                _check_conversation_id(item.conversation_id)
-                kept_turns.append(_check_kept_turns(item.kept_turns))
+                check_query(item.query)
+                check_conversation_id(item.conversation_id)
+                kept_turns.append(check_kept_turns(item.kept_turns))
                 if item.request_id is not None:
-                    _check_request_id(item.request_id)
+                    check_request_id(item.request_id)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request #{index}: {exc}") from exc
         with self._lock:
@@ -480,7 +481,7 @@ class ContextPilot:
         (its order is remembered, so :meth:`restore` can bring it back). Returns whether
         the request was live.
         """
-        _check_count("cached_blocks", cached_blocks)
+        check_count("cached_blocks", cached_blocks)
         with self._lock:
             if self._observers:
                 self._notify("truncated", request_id, cached_blocks)
@@ -502,7 +503,7 @@ class ContextPilot:
         them. Returns whether the request's order was known.
         """
         if cached_blocks is not None:
-            _check_count("cached_blocks", cached_blocks)
+            check_count("cached_blocks", cached_blocks)
         with self._lock:
             if self._observers:
                 self._notify("restored", request_id, cached_blocks)
@@ -648,7 +649,7 @@ class ContextPilot:
         Returns:
             How many live requests were shortened.
         """
-        _check_count("cached_blocks", cached_blocks)
+        check_count("cached_blocks", cached_blocks)
         if cached_blocks >= prepared.cached_blocks:
             return 0
         order = _index_keys(prepared)
@@ -739,7 +740,7 @@ class ContextPilot:
         """Another worker sent this request (its blocks in send order) to the engine this
         pilot models: index it as if this pilot had prepared it (what the shared log applies).
         Idempotent: a request already live keeps its place. Returns whether it was new."""
-        _check_request_id(request_id)
+        check_request_id(request_id)
         order = list(block_ids)
         if not order or not all(isinstance(key, str) for key in order):
             raise TypeError("block_ids must be a non-empty sequence of str")
@@ -845,50 +846,6 @@ def _index_keys(prepared: PreparedRequest) -> list[str]:
     """A request's send order as the index keys it (labelled blocks by id; see :mod:`.gain`)."""
     order = [block.id for block in prepared.blocks]
     return order if prepared.labels else plain_keys(order)
-
-
-def _check_query(query: object) -> None:
-    if not isinstance(query, str):
-        raise BlockTypeError(f"query must be str, got {type(query).__name__}")
-
-
-def _check_conversation_id(conversation_id: object) -> None:
-    if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id):
-        raise TypeError(f"conversation_id must be a non-empty str or None, got {conversation_id!r}")
-
-
-def _check_request_id(request_id: object) -> None:
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-
-
-def _check_count(name: str, value: object) -> None:
-    """A count of blocks or tokens: an int >= 0 (not a bool, a float or NaN)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-_TURN_COLLECTIONS = (list, tuple, set, frozenset, range)
-_INT_ONLY = frozenset({int})
-
-
-def _check_kept_turns(kept_turns: object) -> frozenset[int] | None:
-    """``None`` or a collection of turn numbers (ints >= 0), as a frozenset."""
-    if kept_turns is None:
-        return None
-    if isinstance(kept_turns, _TURN_COLLECTIONS) and _INT_ONLY.issuperset(map(type, kept_turns)):
-        given = frozenset(kept_turns)  # the common case, checked in C: plain ints
-        if not given or min(given) >= 0:
-            return given
-    if isinstance(kept_turns, (str, bytes, Mapping)) or not isinstance(kept_turns, Iterable):
-        raise TypeError(f"kept_turns must be a collection of turn numbers (e.g. {{0, 2}}) or None, got {kept_turns!r}")
-    turns = list(kept_turns)
-    for turn in turns:
-        if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
-            raise TypeError(f"kept_turns must hold turn numbers (ints >= 0), got {turn!r}")
-    return frozenset(turns)
 
 
 def _batch_request(item: BatchItem, index: int) -> BatchRequest:

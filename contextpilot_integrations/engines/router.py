@@ -50,12 +50,9 @@ from ..pilot import (
     BatchRequest,
     ContextPilot,
     _batch_request,
-    _check_conversation_id,
-    _check_kept_turns,
-    _check_query,
-    _check_request_id,
 )
 from ..prepared import PreparedRequest
+from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from . import wire
 from .client import ChatResult, OpenAICompatClient
 from .feedback import Binding
@@ -343,7 +340,7 @@ class Router:
         target but not sent yet (a batch): load, and a prefix the batch plan will share.
         """
         normalized, _ = normalize_blocks(blocks)
-        _check_conversation_id(conversation_id)
+        check_conversation_id(conversation_id)
         draft = _Draft(dict(pending or {}), {name: set(ids) for name, ids in (pending_blocks or {}).items()})
         with self._lock:
             target, reason = self._decide(normalized, conversation_id, exclude, draft)
@@ -418,9 +415,9 @@ class Router:
                 (no target remembered for the conversation, no round-robin turn taken).
         """
         normalized, _ = normalize_blocks(blocks)
-        _check_query(query)
-        _check_conversation_id(conversation_id)
-        kept = _check_kept_turns(kept_turns)
+        check_query(query)
+        check_conversation_id(conversation_id)
+        kept = check_kept_turns(kept_turns)
         draft = _Draft()
         with self._lock:  # decide, prepare, record: one step (preparing takes microseconds)
             target, reason = self._decide(normalized, conversation_id, exclude, draft)
@@ -544,11 +541,11 @@ def _checked(item: Any, index: int) -> _Checked:
     request = _batch_request(item, index)
     try:
         blocks, _ = normalize_blocks(request.blocks)
-        _check_query(request.query)
-        _check_conversation_id(request.conversation_id)
-        kept = _check_kept_turns(request.kept_turns)
+        check_query(request.query)
+        check_conversation_id(request.conversation_id)
+        kept = check_kept_turns(request.kept_turns)
         if request.request_id is not None:
-            _check_request_id(request.request_id)
+            check_request_id(request.request_id)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"request #{index}: {exc}") from exc
     return _Checked(request, blocks, kept)

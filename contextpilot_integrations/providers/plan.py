@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 from ..prepared import PreparedRequest
+from ..validation import check_count
 from .cache_key import prompt_cache_key
 from .names import ProviderName, check_provider
 from .rules import CacheRules, cache_rules
@@ -114,9 +115,9 @@ def plan_cache(
     """
     provider = check_provider(provider)
     rules = rules or cache_rules(provider, model)
-    _check_count("prefix_tokens", prefix_tokens)
-    _check_count("history_tokens", history_tokens)
-    _check_count("max_breakpoints", max_breakpoints)
+    check_count("prefix_tokens", prefix_tokens)
+    check_count("history_tokens", history_tokens)
+    check_count("max_breakpoints", max_breakpoints)
     sizes = [block.token_count for block in prepared.blocks]
     before = prefix_tokens + history_tokens
     total = before + sum(sizes)
@@ -144,7 +145,7 @@ def plan_cache(
         wanted.append(len(sizes))
     if speculate_blocks is None:
         speculate_blocks = 0 if prepared.batch_index is not None else 1
-    _check_count("speculate_blocks", speculate_blocks)
+    check_count("speculate_blocks", speculate_blocks)
     if speculate_blocks and sizes:
         wanted.append(min(len(sizes), (depths[-1] if depths else 0) + speculate_blocks))
     wanted.extend(reversed(depths[:-1]))
@@ -168,7 +169,7 @@ def plan_cache(
 def _shared(prepared: PreparedRequest, shared_depths: Sequence[int] | None, blocks: int) -> list[int]:
     given = (prepared.cached_blocks,) if shared_depths is None else shared_depths
     for depth in given:
-        _check_count("shared_depths", depth)
+        check_count("shared_depths", depth)
     return sorted({depth for depth in given if 0 < depth <= blocks})
 
 
@@ -203,10 +204,3 @@ def _fill_ladder(chosen: list[int], budget: int, rules: CacheRules, ends: Sequen
                 break
         else:
             return
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")

@@ -1,0 +1,54 @@
+"""Checks of the arguments every entry point takes (pilot, router, micro-batcher, cache
+plans): one definition, so each refuses the same inputs with the same message."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from .errors import BlockTypeError
+
+__all__ = ["check_conversation_id", "check_count", "check_kept_turns", "check_query", "check_request_id"]
+
+
+def check_query(query: object) -> None:
+    if not isinstance(query, str):
+        raise BlockTypeError(f"query must be str, got {type(query).__name__}")
+
+
+def check_conversation_id(conversation_id: object) -> None:
+    if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id):
+        raise TypeError(f"conversation_id must be a non-empty str or None, got {conversation_id!r}")
+
+
+def check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+
+
+def check_count(name: str, value: object) -> None:
+    """A count of blocks or tokens: an int >= 0 (not a bool, a float or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+_TURN_COLLECTIONS = (list, tuple, set, frozenset, range)
+_INT_ONLY = frozenset({int})
+
+
+def check_kept_turns(kept_turns: object) -> frozenset[int] | None:
+    """``None`` or a collection of turn numbers (ints >= 0), as a frozenset."""
+    if kept_turns is None:
+        return None
+    if isinstance(kept_turns, _TURN_COLLECTIONS) and _INT_ONLY.issuperset(map(type, kept_turns)):
+        given = frozenset(kept_turns)  # the common case, checked in C: plain ints
+        if not given or min(given) >= 0:
+            return given
+    if isinstance(kept_turns, (str, bytes, Mapping)) or not isinstance(kept_turns, Iterable):
+        raise TypeError(f"kept_turns must be a collection of turn numbers (e.g. {{0, 2}}) or None, got {kept_turns!r}")
+    turns = list(kept_turns)
+    for turn in turns:
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+            raise TypeError(f"kept_turns must hold turn numbers (ints >= 0), got {turn!r}")
+    return frozenset(turns)
