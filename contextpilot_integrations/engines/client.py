@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -266,6 +267,8 @@ class BlockTokenizer:
         with self._lock:
             if self._http is None:
                 self._http = httpx.Client(timeout=self.timeout)
+                # a chat model that owns this tokenizer has no close(): the client goes with it
+                weakref.finalize(self, self._http.close)
             return self._http
 
     async def ablock_ends(
