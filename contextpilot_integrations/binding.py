@@ -53,7 +53,9 @@ class Binding:
     def located(self, text: str) -> Binding:
         """This binding with ``before_tokens`` estimated from the outgoing prompt ``text``."""
         prepared = self.prepared
-        first = text.find(render_block(prepared.blocks[0], prepared.templates)) if prepared.blocks else -1
+        first = (
+            text.find(render_block(prepared.blocks[0], prepared.templates, prepared.labels)) if prepared.blocks else -1
+        )
         return Binding(self.pilot, prepared, max(first, 0) // CHARS_PER_TOKEN)
 
 

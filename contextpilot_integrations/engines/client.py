@@ -327,7 +327,7 @@ class BlockTokenizer:
 
 
 def _block_texts(prepared: PreparedRequest) -> list[str]:
-    return [render_block(block, prepared.templates) for block in prepared.blocks]
+    return [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
 
 
 class OpenAICompatClient:

@@ -385,9 +385,11 @@ def serve(
         with httpx.Client(timeout=30) as http:
             located = scorer.block_ends(prepared, result.prompt_token_ids, http)
         ends = tuple(located) if located is not None else None
-        first_tokens = scorer.tokens(render_block(prepared.blocks[0], prepared.templates))
+        first_tokens = scorer.tokens(render_block(prepared.blocks[0], prepared.templates, prepared.labels))
     else:
-        first_tokens = client.block_tokenizer.tokens(render_block(prepared.blocks[0], prepared.templates))
+        first_tokens = client.block_tokenizer.tokens(
+            render_block(prepared.blocks[0], prepared.templates, prepared.labels)
+        )
     if ends is None or result.cached_tokens is None or result.prompt_tokens is None:
         raise RuntimeError(f"the engine did not report what the test needs: {result}")
     return score(prepared, ends, len(first_tokens or ()), result.cached_tokens, result.prompt_tokens, page_size)

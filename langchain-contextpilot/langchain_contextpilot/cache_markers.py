@@ -110,7 +110,7 @@ def mark_messages(
     out = list(messages)
     existing = sum(_markers_in(message, provider) for message in out)
     budget = max(MAX_MARKERS - existing, 0)
-    needles = [render_block(block, prepared.templates) for block in prepared.blocks]
+    needles = [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
     first = _locate(out, needles[0], prepared.blocks[0].text, provider) if needles else None
     last_human = max((i for i, m in enumerate(out) if isinstance(m, HumanMessage)), default=-1)
     start = 1 if out and isinstance(out[0], SystemMessage) else 0

@@ -40,7 +40,7 @@ def shared_head(pilot: ContextPilot) -> PreparedRequest:
 
 
 def test_the_engines_report_keeps_a_block_served_to_its_last_whole_page() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)  # every block labelled: the index of the event-mapping tests
     second = shared_head(pilot)
     # the engine served 8 of 16 tokens: a ends at 10, so all of a's whole pages: as predicted
     assert report_served(pilot, second, 16, 8, block_ends=[10, 16], page_size=4) == 0
@@ -48,11 +48,11 @@ def test_the_engines_report_keeps_a_block_served_to_its_last_whole_page() -> Non
 
 
 def test_the_page_size_comes_from_the_tracker_when_not_given() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)  # every block labelled: the index of the event-mapping tests
     second = shared_head(pilot)
     report_served(pilot, second, 16, 8, block_ends=[10, 16])  # no page size: held to its last token
     assert pilot.prepare([A, C], "again").cached_blocks == 1
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)  # every block labelled: the index of the event-mapping tests
     sink = KvEventSink(pilot, EngineBlockMap(4))
     second = shared_head(pilot)
     assert report_served(pilot, second, 16, 8, block_ends=[10, 16], tracker=sink) == 0

@@ -67,7 +67,7 @@ def mark_chat(
     out = list(messages)
     existing = sum(1 for message in out for block in message.blocks if isinstance(block, CachePoint))
     budget = max(MAX_MARKERS - existing, 0)
-    needles = [render_block(block, prepared.templates) for block in prepared.blocks]
+    needles = [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
     users = [i for i, m in enumerate(out) if m.role == MessageRole.USER]
     last_user = users[-1] if users else -1
     first = _locate(out, needles[0], prepared.blocks[0].text) if needles else None
