@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, render_block
 from contextpilot_integrations.binding import Binding, RunBinder, dangling_references, restore_references
+from contextpilot_integrations.blocks import CHARS_PER_TOKEN
 
 
 def blocks(*ids: str) -> list[Block]:
@@ -147,3 +148,14 @@ def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     assert [b.id for b in later.blocks] == ["b"] and later.order_annotation
     same = chat.prepare(blocks("e", "a"), "q", "c")  # e sent, then the reference to a: as ranked
     assert same.order_annotation == ""
+
+
+def test_a_plain_request_is_located_by_its_plain_text() -> None:
+    """A request sent as without ContextPilot (no labels) is found in the outgoing prompt as
+    sent: the tokens before its first block are the system prompt's, not the whole prompt's."""
+    pilot = ContextPilot()
+    prepared = pilot.prepare([Block(id="d1", text="x" * 400), Block(id="d2", text="y" * 400)], "q")
+    assert not prepared.labels
+    system = "s" * 80
+    binding = Binding(pilot, prepared).located(system + prepared.render())
+    assert binding.before_tokens == 80 // CHARS_PER_TOKEN
