@@ -30,8 +30,18 @@ from dataclasses import dataclass
 
 from .annotations import Templates, render_order
 from .blocks import CHARS_PER_TOKEN, Block
+from .prepared import PreparedRequest
 
-__all__ = ["PLAIN", "Choice", "annotation_tokens", "choose_order", "label_tokens", "leading_reuse", "plain_keys"]
+__all__ = [
+    "PLAIN",
+    "Choice",
+    "annotation_tokens",
+    "choose_order",
+    "index_keys",
+    "label_tokens",
+    "leading_reuse",
+    "plain_keys",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,12 @@ def plain_keys(order: Sequence[str]) -> list[str]:
     """Index keys of blocks sent without labels: another text than the labelled blocks',
     so never a prefix of theirs (nor theirs of it)."""
     return [PLAIN + key for key in order]
+
+
+def index_keys(prepared: PreparedRequest) -> list[str]:
+    """A request's send order as the index keys it (labelled blocks by id, plain ones apart)."""
+    order = [block.id for block in prepared.blocks]
+    return order if prepared.labels else plain_keys(order)
 
 
 def choose_order(

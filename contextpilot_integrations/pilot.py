@@ -27,7 +27,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import DuplicateRequestError
-from .gain import PLAIN, Choice, annotation_tokens, choose_order, label_tokens, plain_keys
+from .gain import PLAIN, Choice, annotation_tokens, choose_order, index_keys, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -615,7 +615,7 @@ class ContextPilot:
 
         Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
         """
-        order = _index_keys(prepared)
+        order = index_keys(prepared)
         with self._lock:
             rid = prepared.request_id
             if fresh_id or rid in self._live or rid in self._reserved:
@@ -652,7 +652,7 @@ class ContextPilot:
         check_count("cached_blocks", cached_blocks)
         if cached_blocks >= prepared.cached_blocks:
             return 0
-        order = _index_keys(prepared)
+        order = index_keys(prepared)
         shortened = 0
         with self._lock:
             stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
@@ -840,12 +840,6 @@ def _gc_paused() -> Iterator[None]:
 
 _COMMIT_STEP = 64
 """Planned requests entered into the index per hold of the lock (about 2 ms)."""
-
-
-def _index_keys(prepared: PreparedRequest) -> list[str]:
-    """A request's send order as the index keys it (labelled blocks by id; see :mod:`.gain`)."""
-    order = [block.id for block in prepared.blocks]
-    return order if prepared.labels else plain_keys(order)
 
 
 def _batch_request(item: BatchItem, index: int) -> BatchRequest:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..gain import plain_keys
+from ..gain import index_keys
 from ..pilot import ContextPilot
 from .replay import (
     Arrival,
@@ -93,10 +93,7 @@ def replay_workers(
         layout[rid] = (len(system), len(prepared.blocks))
         entries: list[_Entry] = []
         if shared:
-            order = [block.id for block in prepared.blocks]
-            if not prepared.labels:  # sent plain: the index keys them apart from labelled blocks
-                order = plain_keys(order)
-            entries.append((worker, "record_sent", (rid, order)))
+            entries.append((worker, "record_sent", (rid, index_keys(prepared))))
         entries += _feedback(pilots, served, feedback, owner, layout, prepared, worker)
         for entry in entries if shared else ():
             log.append((step + 1 + lag, entry))
