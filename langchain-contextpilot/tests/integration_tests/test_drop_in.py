@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -45,11 +46,15 @@ PROMPT = ChatPromptTemplate.from_messages(
 
 
 class Recorder:
-    """The JSON bodies of every request sent, through real httpx clients."""
+    """The JSON bodies of every request sent, through real httpx clients. Every recorder a
+    test makes is checked after it (:func:`every_body_keeps_both_invariants`)."""
+
+    made: ClassVar[list[Recorder]] = []
 
     def __init__(self, fail_first: int = 0, time_out_first: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.attempts: list[dict[str, Any]] = []
+        Recorder.made.append(self)
         self.fail_first = fail_first
         self.time_out_first = time_out_first
         self._lock = threading.Lock()
@@ -89,6 +94,22 @@ class Recorder:
 
     def ids(self, field: str = "rid") -> list[str]:
         return [body[field] for body in self.bodies]
+
+
+@pytest.fixture(autouse=True)
+def every_body_keeps_both_invariants() -> Iterator[None]:
+    """In every wiring of this file: no reference without its text in the same messages,
+    and no request id sent twice (bodies without an id field carry none)."""
+    Recorder.made.clear()
+    yield
+    bodies = [body for recorder in Recorder.made for body in recorder.bodies]
+    assert (
+        sum(len(dangling_references(recorder.texts(body))) for recorder in Recorder.made for body in recorder.bodies)
+        == 0
+    )
+    ids = [body.get("rid") or body.get("request_id") for body in bodies]
+    sent = [rid for rid in ids if rid is not None]
+    assert len(sent) == len(set(sent)), "a request id was sent twice"
 
 
 def chat_sglang(llama: LlamaServer, recorder: Recorder, **options: Any) -> ChatSGLang:
