@@ -16,7 +16,7 @@ Only APIs that exist before and after issue 21 are used, so the script runs on e
 (switch with ``PYTHONPATH``). It binds 127.0.0.1 only and stops its servers.
 
 Usage: python benchmarks/bench_never_worse.py [--requests 24] [--chars 120] [--k 4]
-       [--skip-engine] [--skip-simulator] [--labels-only] [--json]
+       [--repeats 2] [--skip-engine] [--skip-simulator] [--labels-only] [--json]
 
 ``--labels-only``: what the block labels, the LlamaIndex label lines and the order annotation
 cost, before issue 21 and now, in characters and llama-server tokens.
@@ -185,6 +185,11 @@ class Usage:
             self.calls += 1
             self.prompt += int(usage.get("prompt_tokens") or 0)
             self.cached += int(cached)
+
+    def merge(self, other: Usage) -> None:
+        self.calls += other.calls
+        self.prompt += other.prompt
+        self.cached += other.cached
 
     def clients(self) -> tuple[httpx.Client, httpx.AsyncClient]:
         def record(response: httpx.Response) -> None:
@@ -393,10 +398,16 @@ def li_pass(mode: str, work: Workload, url: str, usage: Usage, ours: bool) -> No
 # ---- the engine passes ------------------------------------------------------------------------------
 @dataclass
 class EngineRow:
+    """Both arms of one workload, each run ``2 * repeats`` times (A B B A ...) and summed;
+    ``spread``: how far the passes without ContextPilot differ (the same prompts: the
+    arrival order of a concurrent burst changes what a one-slot cache shares, by a few
+    tokens), times the passes summed, so that it compares with the sums."""
+
     framework: str
     mode: str
     without: Usage
     with_contextpilot: Usage
+    spread: int = 0
 
     def as_json(self) -> dict[str, Any]:
         def counts(u: Usage) -> dict[str, int]:
@@ -407,7 +418,13 @@ class EngineRow:
             "mode": self.mode,
             "without": counts(self.without),
             "with_contextpilot": counts(self.with_contextpilot),
+            "spread_without": self.spread,
         }
+
+    @property
+    def sign(self) -> str:
+        a, b = self.without.computed, self.with_contextpilot.computed
+        return "<=" if b <= a else ("noise" if b - a <= self.spread else "WORSE")
 
 
 @contextmanager
@@ -424,23 +441,27 @@ def fresh_server(workdir: Path) -> Iterator[str]:
         server.stop()
 
 
-def engine_passes(work: Workload, modes: Sequence[str], frameworks: Sequence[str]) -> list[EngineRow]:
+def engine_passes(work: Workload, modes: Sequence[str], frameworks: Sequence[str], repeats: int = 1) -> list[EngineRow]:
     Runner = Callable[[str, Workload, str, Usage, bool], None]
     runners: dict[str, Runner] = {"langchain": lc_pass, "llamaindex": li_pass}
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for framework in frameworks:
             for mode in modes:
-                counts = {}
-                for ours in (False, True):
+                counts = {False: Usage(), True: Usage()}
+                without: list[int] = []
+                for ours in (False, True, True, False) * repeats:  # A B B A: drift hits both arms alike
                     usage = Usage()
                     started = time.perf_counter()
                     with fresh_server(Path(workdir)) as url:
                         runners[framework](mode, work, url, usage, ours)
-                    counts[ours] = usage
+                    counts[ours].merge(usage)
+                    if not ours:
+                        without.append(usage.computed)
                     name = "ContextPilot" if ours else "without"
                     print(f"  {framework} {mode} {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-                rows.append(EngineRow(framework, mode, counts[False], counts[True]))
+                spread = (max(without) - min(without)) * len(without)
+                rows.append(EngineRow(framework, mode, counts[False], counts[True], spread))
                 print(f"  {json.dumps(rows[-1].as_json())}", file=sys.stderr)  # kept if a later pass fails
     return rows
 
@@ -459,10 +480,13 @@ def print_simulator(rows: Sequence[SimRow]) -> None:
 
 
 def print_engine(rows: Sequence[EngineRow]) -> None:
-    print("\nllama-server, one slot, no RAM cache, a fresh process per pass: the engine's own counts")
+    print(
+        "\nllama-server, one slot, no RAM cache, a fresh process per pass, A B B A (passes summed):"
+        " the engine's own counts; spread = the passes without ContextPilot, max - min computed, x passes"
+    )
     head = (
         f"{'framework':<11}{'mode':<9}{'calls':>6}{'prompt w/o':>12}{'cached w/o':>12}{'computed w/o':>14}"
-        f"{'prompt CP':>11}{'cached CP':>11}{'computed CP':>13}{'CP/w/o':>8}"
+        f"{'prompt CP':>11}{'cached CP':>11}{'computed CP':>13}{'CP/w/o':>8}{'spread':>8}  sign"
     )
     print(head)
     print("-" * len(head))
@@ -471,6 +495,7 @@ def print_engine(rows: Sequence[EngineRow]) -> None:
         print(
             f"{r.framework:<11}{r.mode:<9}{a.calls:>6}{a.prompt:>12,}{a.cached:>12,}{a.computed:>14,}"
             f"{b.prompt:>11,}{b.cached:>11,}{b.computed:>13,}{b.computed / max(a.computed, 1):>8.3f}"
+            f"{r.spread:>8,}  {r.sign}"
         )
 
 
@@ -488,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--labels-only", action="store_true", help="only what the labels and annotation cost")
     parser.add_argument("--skip-simulator", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="A B B A blocks per workload")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     report: dict[str, Any] = {}
@@ -504,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["simulator"] = [{**asdict(r), "sign": r.sign} for r in sim]
     if not args.skip_engine:
         work = workload(args.requests, args.k, args.chars, args.conversations, args.turns)
-        engine = engine_passes(work, modes, [f for f in args.frameworks.split(",") if f])
+        engine = engine_passes(work, modes, [f for f in args.frameworks.split(",") if f], args.repeats)
         report["engine"] = [r.as_json() for r in engine]
     if args.json:
         print(json.dumps(report, indent=2))

@@ -37,7 +37,7 @@ _IDLE_SECONDS = 5.0
 class Planner(Protocol):
     """What plans a batch: a :class:`~contextpilot_integrations.ContextPilot`, or a router."""
 
-    def plan(self, requests: Sequence[BatchRequest]) -> Sequence[Any]: ...
+    def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Sequence[Any]: ...
 
 
 def _prepared_of(result: Any) -> PreparedRequest:
@@ -267,7 +267,8 @@ class MicroBatcher:
 
     def _plan_together(self, waiters: list[_Waiter]) -> list[_Outcome]:
         outcomes: list[_Outcome] = []
-        for result in self.planner.plan([waiter.request for waiter in waiters]):
+        # concurrent callers: their requests reach the engine in no guaranteed order
+        for result in self.planner.plan([waiter.request for waiter in waiters], in_order=False):
             index = _prepared_of(result).batch_index  # schedule order: the first to send first
             if isinstance(index, int) and 0 <= index < len(waiters):
                 outcomes.append((waiters[index], result, None))

@@ -10,12 +10,18 @@ index keeps them apart (:func:`plain_keys`). The reuse counts the future as well
 present:
 
 - now: the leading blocks the engine is predicted to hold (the live index);
-- later: the leading blocks other requests carried too (popularity >= 2). The canonical
-  order puts them first, so later requests carrying them follow the same prefix: measured
-  on the bundled MultiHop-RAG sample, a gate on the immediate reuse alone lowered the
-  online hit ratio (25% capacity: 16.4% -> 15.8%). The next block counts too, weighed by
-  the chance that a block recurs on this traffic (``recur``): on the sample nearly every
-  block recurs, so labels pay; on traffic where nothing recurs they never would.
+- later: the leading blocks a later request will carry too: in full for a partner later
+  in the same planned batch; weighed by the chance that a block recurs on this traffic
+  (``recur``, the share of blocks requested before) for one that other requests carried
+  (popularity >= 2). The canonical order puts them first, so later requests carrying them
+  follow the same prefix: measured on the bundled MultiHop-RAG sample, a gate on the
+  immediate reuse alone lowered the online hit ratio (25% capacity: 16.4% -> 15.8%). The
+  next block counts too, weighed by ``recur``: on the sample nearly every block recurs, so
+  labels pay; on traffic where little recurs yet (a new pilot), they rarely do.
+
+Both count only as much as the engine keeps what the index predicts it holds
+(:class:`Retention`, from the engine's cached-token reports): an engine with one slot keeps
+almost nothing for later, and there labels and reordering never pay.
 
 A request that shares nothing now and carries no block another request carried goes out
 plain: exactly the prompt without ContextPilot. A request larger than the engine's cache
@@ -35,6 +41,7 @@ from .prepared import PreparedRequest
 __all__ = [
     "PLAIN",
     "Choice",
+    "Retention",
     "annotation_tokens",
     "choose_order",
     "index_keys",
@@ -68,15 +75,31 @@ def label_tokens(blocks: Sequence[Block], templates: Templates) -> int:
     return _tokens(" " * sum(len(templates.block.format(label=block.label, text="")) for block in blocks))
 
 
-def leading_reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, shared: Callable[[str], bool]) -> int:
-    """Tokens of the leading run of ``order`` that is reused now (its first ``cached``
-    blocks) or later (blocks other requests carry too)."""
-    total = 0
+def leading_reuse(
+    order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Callable[[str], float]
+) -> float:
+    """Tokens of the leading run of ``order`` expected to be reused: its first ``cached``
+    blocks (reused now) in full, then each block a later request may carry too, weighed by
+    the chance that a later request carries it and every block before it (a prefix cache
+    reuses only a common prefix); the run ends at the first block with no chance."""
+    return _leading_run(order, tokens, cached, chance)[1]
+
+
+def _leading_run(
+    order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Callable[[str], float]
+) -> tuple[int, float, float]:
+    """(blocks in the leading run, expected reused tokens, the chance a later request
+    carries the whole run): see :func:`leading_reuse`."""
+    total = 0.0
+    carried = 1.0
     for position, key in enumerate(order):
-        if position >= cached and not shared(key):
-            break
-        total += tokens[key]
-    return total
+        if position >= cached:
+            weight = chance(key)
+            if weight <= 0.0:
+                return position, total, carried
+            carried *= min(weight, 1.0)
+        total += carried * tokens[key]
+    return len(order), total, carried
 
 
 def plain_keys(order: Sequence[str]) -> list[str]:
@@ -97,12 +120,13 @@ def choose_order(
     tokens: Mapping[str, int],
     *,
     matched: Callable[[Sequence[str], bool], int],
-    shared: Callable[[str], bool],
+    shared: Callable[[str], float],
     annotation_cost: int,
     label_cost: int,
     cache_tokens: int | None = None,
     plain_ok: bool = True,
     recur: float = 1.0,
+    kept: float = 1.0,
 ) -> Choice:
     """The send that pays best: the strategy's order (labelled, annotated if it differs), the
     retriever's order labelled, or (``plain_ok``) the retriever's order as a user sends it
@@ -114,7 +138,9 @@ def choose_order(
         tokens: each key's tokens.
         matched: leading blocks of an order the engine is predicted to hold now, sent
             labelled (True) or not (False).
-        shared: whether another request carried this block too.
+        shared: the chance that a later request carries this block and reuses it (1.0: a
+            request later in the same planned batch does; the ``recur`` share: another
+            request carried it before; 0.0: none did).
         annotation_cost: tokens of the order annotation a reordered request carries.
         label_cost: tokens the labels add to the request.
         cache_tokens: the engine's cache size in tokens, if known.
@@ -123,39 +149,65 @@ def choose_order(
         recur: the chance that a block no other request carried yet will be carried by a
             later one (the share of blocks requested before, on this traffic): the next
             block of a labelled prefix counts that much of its tokens as later reuse.
+        kept: the share of what the index predicts cached that the engine really served
+            (:attr:`Retention.share`): every reuse counts that much.
     """
     fits = cache_tokens is None or sum(tokens[key] for key in retrieval) + label_cost <= cache_tokens
     later = shared if fits else _never  # what it leaves cached pays off for later requests
     reordered = list(proposed) != list(retrieval)
-    candidates: list[tuple[int, Choice]] = []
+    candidates: list[tuple[float, Choice]] = []
     if plain_ok:
-        plain = leading_reuse(retrieval, tokens, matched(retrieval, False), _never)
+        plain = kept * leading_reuse(retrieval, tokens, matched(retrieval, False), _never)
         candidates.append((plain, Choice(list(retrieval), labels=False, cached=fits)))
     if reordered:
-        kept = leading_reuse(retrieval, tokens, matched(retrieval, True), _never) - label_cost
-        candidates.append((kept, Choice(list(retrieval), cached=fits)))
-    ours = leading_reuse(proposed, tokens, matched(proposed, True), later) - label_cost
-    if fits:
-        run = _run_length(proposed, tokens, ours + label_cost)
-        if run < len(proposed):
-            ours += int(recur * tokens[proposed[run]])
-    candidates.append((ours - (annotation_cost if reordered else 0), Choice(list(proposed), cached=fits)))
+        labelled = kept * leading_reuse(retrieval, tokens, matched(retrieval, True), _never) - label_cost
+        candidates.append((labelled, Choice(list(retrieval), cached=fits)))
+    run, reuse, carried = _leading_run(proposed, tokens, matched(proposed, True), later)  # now, then what recurs
+    if fits and run < len(proposed):
+        reuse += carried * recur * tokens[proposed[run]]
+    ours = kept * reuse - label_cost - (annotation_cost if reordered else 0)
+    candidates.append((ours, Choice(list(proposed), cached=fits)))
     best = max(value for value, _ in candidates)
     return next(choice for value, choice in candidates if value == best)
+
+
+class Retention:
+    """The share of the cached tokens the index predicted that the engine reported serving,
+    recent requests weighing most (each report's weight decays by ``decay`` per later
+    report). An engine that keeps less than the index expects (llama-server with one slot
+    keeps only its last prompt) brings it down, and with it the reuse that labels and
+    reordering are paid for. Not thread-safe: the pilot's lock guards it."""
+
+    __slots__ = ("_held", "_predicted", "decay")
+
+    def __init__(self, decay: float = 0.95) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.decay = decay
+        self._held = self._predicted = 0.0
+
+    def observe(self, predicted: int, held: int) -> None:
+        """The engine served ``held`` of the ``predicted`` cached tokens of one request."""
+        if predicted <= 0:
+            return
+        self._held = self._held * self.decay + min(max(held, 0), predicted)
+        self._predicted = self._predicted * self.decay + predicted
+
+    @property
+    def tested(self) -> bool:
+        """Whether the engine has reported on a prediction yet."""
+        return self._predicted > 0.0
+
+    def share_or(self, untested: float) -> float:
+        """The share, or ``untested`` before the engine has reported on a prediction: 1.0
+        where the index is all there is to go by, 0.0 where a bet cannot pay before then
+        (a concurrent burst)."""
+        return self._held / self._predicted if self._predicted else untested
 
 
 PLAIN = "\x00plain:"
 """Prefix of the index keys of blocks sent without labels (:func:`plain_keys`)."""
 
 
-def _run_length(order: Sequence[str], tokens: Mapping[str, int], reuse: int) -> int:
-    """How many leading blocks of ``order`` make up ``reuse`` tokens."""
-    total = count = 0
-    while count < len(order) and total < reuse:
-        total += tokens[order[count]]
-        count += 1
-    return count
-
-
-def _never(_: str) -> bool:
-    return False
+def _never(_: str) -> float:
+    return 0.0

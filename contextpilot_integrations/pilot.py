@@ -15,7 +15,7 @@ import itertools
 import os
 import secrets
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +27,7 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import DuplicateRequestError
-from .gain import PLAIN, Choice, annotation_tokens, choose_order, index_keys, label_tokens, plain_keys
+from .gain import PLAIN, Choice, Retention, annotation_tokens, choose_order, index_keys, label_tokens, plain_keys
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -80,6 +80,10 @@ class PilotStats(BaseModel):
     """Cache markers planned for hosted APIs (see :meth:`ContextPilot.note_cache_plan`)."""
     cache_plans_skipped: dict[str, int] = {}
     """Requests planned without a marker, by reason (e.g. below the model's minimum)."""
+    predicted_kept: float = 1.0
+    """The share of the predicted cached tokens the engine reported serving (recent
+    reports weigh most; 1.0 before any): predicted reuse counts this much when deciding
+    whether labels and reordering pay (:mod:`.gain`)."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -189,6 +193,7 @@ class ContextPilot:
         self._reserved: set[str] = set()  # ids of a batch being planned
         self._lock = threading.RLock()
         self._counters = _Counters()
+        self._retention = Retention()  # how much of the predicted reuse the engine delivers
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
         self._observers: list[Callable[..., None]] = []
@@ -283,6 +288,8 @@ class ContextPilot:
         request_id: str | None,
         planned_order: list[str] | None,
         batch_index: int | None = None,
+        chance: Callable[[str], float] | None = None,
+        concurrent: bool = False,
     ) -> PreparedRequest:
         # decide everything first; record only once nothing can raise any more
         rid = self._new_request_id(request_id)
@@ -306,7 +313,8 @@ class ContextPilot:
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
-            choice = self._worth_it(order, keys, blocks, by_id, conversation_id is None and self.plain_prompts)
+            plain_ok = conversation_id is None and self.plain_prompts
+            choice = self._worth_it(order, keys, blocks, by_id, plain_ok, chance, concurrent)
             order, labels = choice.order, choice.labels
             sent = list(map(by_id.__getitem__, order))
             indexed = order if labels else plain_keys(order)
@@ -353,32 +361,59 @@ class ContextPilot:
         return prepared
 
     def _worth_it(
-        self, order: list[str], keys: list[str], ranking: list[Block], by_id: dict[str, Block], plain_ok: bool
+        self,
+        order: list[str],
+        keys: list[str],
+        ranking: list[Block],
+        by_id: dict[str, Block],
+        plain_ok: bool,
+        chance: Callable[[str], float] | None,
+        concurrent: bool = False,
     ) -> Choice:
         """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
-        keep their labels: later turns refer to them by label."""
+        keep their labels: later turns refer to them by label. ``chance``: that a later
+        request carries a block (default: the share of blocks that recur, for one that an
+        earlier request carried). ``concurrent``: part of a burst whose callers send at
+        once: nothing is bet on before the engine has served a prediction (the requests
+        it would follow are still in flight, and their order at the engine is nobody's)."""
         sent = [by_id[key] for key in keys]
         trie = self._trie
+        recur = self._strategy.recurrence()
+        if chance is None:
+            popularity = self._strategy.popularity
+
+            def chance(key: str) -> float:
+                return recur if popularity(key) > 1 else 0.0  # this request counted already
+
         return choose_order(
             order,
             keys,
             {key: by_id[key].token_count for key in keys},
             matched=lambda keys, labelled: trie.match_length(keys if labelled else plain_keys(keys)),
-            shared=lambda key: self._strategy.popularity(key) > 1,
+            shared=chance,
             annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order and order != keys else 0,
             label_cost=label_tokens(sent, self.templates),
             cache_tokens=self.cache_tokens,
             plain_ok=plain_ok,
-            recur=self._strategy.recurrence(),
+            recur=recur,
+            kept=self._retention.share_or(0.0 if concurrent else 1.0),
         )
 
     # ---- a batch ------------------------------------------------------------------------
-    def plan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
+    def plan(
+        self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
+    ) -> list[PreparedRequest]:
         """Offline mode: order every request of a batch and schedule the batch.
 
         Returns the prepared requests in send order; each keeps its own query and its
         position in the input as ``batch_index``. Turns of one conversation keep their
         relative order (they take the schedule slots of that conversation, in turn order).
+
+        ``in_order``: the caller sends them in that order, so a block that another request
+        of the batch carries is sure to be reused (:mod:`.gain`). ``False`` for concurrent
+        callers (:class:`~.batching.MicroBatcher`), whose requests reach the engine in
+        whatever order their threads get there: on an engine that keeps only its last
+        prompt, a partner reused on paper is then often lost.
 
         The batch is planned outside the lock, so concurrent :meth:`prepare` calls are not
         held up by a long plan; the planned requests then enter the index in small steps.
@@ -416,12 +451,14 @@ class ContextPilot:
             with _gc_paused():
                 planned = self._strategy.plan(batch, tokens)
             schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
+            chance: Callable[[str], float] | None = None
             prepared: list[PreparedRequest] = []
             steps = tqdm(total=len(schedule), desc="planning", unit="req", disable=not progress)
             with steps:
                 for start in range(0, max(len(schedule), 1), _COMMIT_STEP):
                     with self._lock:
                         if start == 0:
+                            chance = self._batch_chance(batch, in_order)
                             self._strategy.commit(planned, batch)
                         for index in schedule[start : start + _COMMIT_STEP]:
                             item, (blocks, merged) = items[index], normalized[index]
@@ -436,6 +473,8 @@ class ContextPilot:
                                     ids[index],
                                     planned.orders[index],
                                     index,
+                                    chance,
+                                    not in_order,
                                 )
                             )
                     steps.update(min(_COMMIT_STEP, len(schedule) - start))
@@ -444,9 +483,27 @@ class ContextPilot:
             with self._lock:
                 self._reserved.difference_update(ids)
 
-    async def aplan(self, requests: Iterable[BatchItem], *, progress: bool = False) -> list[PreparedRequest]:
+    def _batch_chance(self, batch: Sequence[tuple[str, list[str]]], in_order: bool) -> Callable[[str], float]:
+        """That a later request carries a block, for a batch about to be counted: sure for a
+        block another request of a batch sent in order carries; else the share of blocks
+        that recur, for one that a request before this batch carried (in a concurrent
+        burst, a partner's prefix may not be computed before it is needed)."""
+        recur = self._strategy.recurrence()
+        keys = {key for _, order in batch for key in order}
+        seen = frozenset(key for key in keys if self._strategy.popularity(key) > 0)
+        carried = Counter(key for _, order in batch for key in set(order))
+        sure = frozenset(key for key, count in carried.items() if count > 1) if in_order else frozenset()
+
+        def chance(key: str) -> float:
+            return 1.0 if key in sure else recur if key in seen else 0.0
+
+        return chance
+
+    async def aplan(
+        self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
+    ) -> list[PreparedRequest]:
         """Async variant of :meth:`plan`, run in a worker thread."""
-        return await asyncio.to_thread(self.plan, list(requests), progress=progress)
+        return await asyncio.to_thread(self.plan, list(requests), progress=progress, in_order=in_order)
 
     # ---- engine state ---------------------------------------------------------------------
     def evict(self, request_ids: Iterable[str]) -> int:
@@ -651,10 +708,14 @@ class ContextPilot:
         """
         check_count("cached_blocks", cached_blocks)
         if cached_blocks >= prepared.cached_blocks:
+            with self._lock:
+                self._retention.observe(prepared.cached_tokens, prepared.cached_tokens)
             return 0
         order = index_keys(prepared)
         shortened = 0
         with self._lock:
+            held = sum(block.token_count for block in prepared.blocks[:cached_blocks])
+            self._retention.observe(prepared.cached_tokens, held)
             stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
             # the engine evicts least recently used first: what entered before the newest
             # request of the lost path has most likely gone too (shared prefixes that newer
@@ -797,6 +858,7 @@ class ContextPilot:
                 provider_usage=dict(c.provider_usage),
                 cache_markers_placed=c.cache_markers,
                 cache_plans_skipped=dict(c.plans_skipped),
+                predicted_kept=self._retention.share_or(1.0),
             )
 
     def check(self) -> None:

@@ -69,10 +69,10 @@ class GatedPlanner:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def plan(self, requests: Sequence[BatchRequest]) -> Any:
+    def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Any:
         self.entered.set()
         assert self.release.wait(TIMEOUT)
-        return self.pilot.plan(requests)
+        return self.pilot.plan(requests, in_order=in_order)
 
     def discard(self, prepared: Any) -> None:
         self.pilot.discard(prepared)
@@ -86,12 +86,12 @@ class PickyPlanner:
         self.pilot = pilot
         self.batch_sizes: list[int] = []
 
-    def plan(self, requests: Sequence[BatchRequest]) -> Any:
+    def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Any:
         self.batch_sizes.append(len(requests))
         for index, request in enumerate(requests):
             if request.query == "poison":
                 raise ValueError(f"request #{index}: poisoned")
-        return self.pilot.plan(requests)
+        return self.pilot.plan(requests, in_order=in_order)
 
     def discard(self, prepared: Any) -> None:
         self.pilot.discard(prepared)

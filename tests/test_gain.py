@@ -3,11 +3,16 @@ reuse pays for the tokens they add."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.gain import choose_order, label_tokens, plain_keys
+from contextpilot_integrations import Block, ContextPilot, MicroBatcher
+from contextpilot_integrations.gain import Retention, choose_order, label_tokens, plain_keys
+from contextpilot_integrations.pilot import BatchRequest
 
 
 def doc(name: str, words: int = 100) -> Block:
@@ -138,3 +143,102 @@ def test_the_choice_pays_at_least_as_well_as_the_prompt_without_contextpilot(
         bonus = max(tokens.values())  # at most one more block, weighed by recur
         extra = annotation if choice.order != retrieval else 0
         assert run + bonus - labels - extra >= plain_reuse
+
+
+# ---- what the engine keeps, what recurs, and bursts (the reuse a bet is paid from) -----------------
+def test_retention_trusts_the_index_until_the_engine_reports_and_weighs_recent_reports_most() -> None:
+    retention = Retention(decay=0.5)
+    assert not retention.tested and retention.share_or(1.0) == 1.0 and retention.share_or(0.0) == 0.0
+    retention.observe(0, 0)  # a report on a request the index predicted nothing for: no evidence
+    assert not retention.tested
+    retention.observe(100, 100)
+    assert retention.tested and retention.share_or(0.0) == 1.0
+    retention.observe(100, 0)  # the engine had nothing of it: weighs twice the older report
+    assert retention.share_or(1.0) == (0.5 * 100) / (0.5 * 100 + 100)
+    retention.observe(100, 500)  # more than predicted counts as all of it
+    assert retention.share_or(1.0) == (0.25 * 100 + 100) / (0.25 * 100 + 0.5 * 100 + 100)
+    with pytest.raises(ValueError, match="decay"):
+        Retention(decay=0.0)
+
+
+def test_later_reuse_counts_only_as_much_as_blocks_recur() -> None:
+    retrieval = ["a", "b", "c", "d"]
+    tokens = dict.fromkeys(retrieval, 100)
+
+    def choose(recur: float, kept: float = 1.0) -> bool:
+        def chance(key: str) -> float:
+            return recur if key != "d" else 0.0  # a, b and c were carried before
+
+        return choose_order(
+            retrieval,
+            retrieval,
+            tokens,
+            matched=lambda order, labelled: 0,
+            shared=chance,
+            annotation_cost=0,
+            label_cost=6,
+            recur=recur,
+            kept=kept,
+        ).labels
+
+    # a later request reuses a, then a b, then a b c: 0.1 x 100 + 0.01 x 100 + 0.001 x 100 (+ d)
+    assert choose(recur=0.1)  # about 11 tokens expected back for 6 of labels
+    assert not choose(recur=0.04)  # about 4.2 < 6: little recurs yet, the labels would not pay
+    assert not choose(recur=0.1, kept=0.4)  # the engine kept 40% of what was predicted: 4.4 < 6
+
+
+def test_an_engine_that_keeps_nothing_of_the_predictions_gets_plain_prompts() -> None:
+    pilot = ContextPilot()
+    pilot.prepare([doc("a"), doc("b")], "q")
+    labelled = pilot.prepare([doc("b"), doc("a"), doc("c")], "q")  # a and b recur: labelled for later
+    assert labelled.labels and pilot.stats().predicted_kept == 1.0
+    reused = pilot.prepare([doc("a"), doc("b"), doc("e")], "q")
+    assert reused.cached_blocks == 2
+    pilot.observe_cached(reused, 0)  # one slot: the engine had moved on to another prompt
+    assert pilot.stats().predicted_kept == 0.0
+    later = pilot.prepare([doc("a"), doc("b"), doc("f")], "q")  # would follow the labelled prefix
+    assert not later.labels and later.order_annotation == ""
+    assert later.render() == plain_prompt([doc("a"), doc("b"), doc("f")], "q")
+
+
+def test_an_engine_that_served_the_prediction_keeps_the_bets_on() -> None:
+    pilot = ContextPilot()
+    pilot.prepare([doc("a"), doc("b")], "q")
+    pilot.prepare([doc("b"), doc("a"), doc("c")], "q")
+    reused = pilot.prepare([doc("a"), doc("b"), doc("e")], "q")
+    pilot.observe_cached(reused, reused.cached_blocks)  # served as predicted
+    assert pilot.stats().predicted_kept == 1.0
+    assert pilot.prepare([doc("a"), doc("b"), doc("f")], "q").cached_blocks == 2
+
+
+def burst() -> list[tuple[list[Block], str]]:
+    """Two requests that share a and b, one that shares nothing."""
+    return [
+        ([doc("x"), doc("a"), doc("b")], "q1"),
+        ([doc("y"), doc("z")], "q2"),
+        ([doc("b"), doc("a"), doc("w")], "q3"),
+    ]
+
+
+def test_a_batch_sent_in_order_pays_for_its_partners_a_concurrent_burst_does_not_bet() -> None:
+    in_order = ContextPilot().plan(burst())
+    partners = [p for p in in_order if {"a", "b"} <= {b.id for b in p.blocks}]
+    assert all(p.labels for p in partners) and sorted(p.cached_blocks for p in partners) == [0, 2]
+    concurrent = ContextPilot().plan(burst(), in_order=False)  # their order at the engine is nobody's
+    assert not any(p.labels or p.order_annotation or p.cached_blocks for p in concurrent)
+
+
+def test_a_micro_batcher_plans_its_bursts_as_concurrent() -> None:
+    seen: list[bool] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self.pilot = ContextPilot()
+
+        def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Any:
+            seen.append(in_order)
+            return self.pilot.plan(requests, in_order=in_order)
+
+    batcher = MicroBatcher(Recording())
+    prepared = batcher.prepare([doc("a"), doc("b")], "q")
+    assert seen == [False] and not prepared.labels

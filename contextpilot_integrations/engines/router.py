@@ -491,10 +491,11 @@ class Router:
                 return await send(target, self._as_known_to(binding, target))
         raise RuntimeError("no target")  # pragma: no cover
 
-    def plan(self, requests: Sequence[BatchItem]) -> list[Routed]:
+    def plan(self, requests: Sequence[BatchItem], *, in_order: bool = True) -> list[Routed]:
         """A batch: route every request (counting those routed before it as load), then plan
         each target's share with its pilot. Routed requests come back in send order per
         target; each keeps its position in ``requests`` as ``prepared.batch_index``.
+        ``in_order``: as :meth:`ContextPilot.plan`.
 
         Raises:
             InvalidBlockError, BlockTypeError, TypeError, DuplicateRequestError: for any bad
@@ -515,7 +516,7 @@ class Router:
         routed: list[Routed] = []
         try:
             for name, indices in sorted(groups.items(), key=lambda item: -len(item[1])):
-                for prepared in self.pilot(name).plan([checked[i].request for i in indices]):
+                for prepared in self.pilot(name).plan([checked[i].request for i in indices], in_order=in_order):
                     original = indices[prepared.batch_index]  # type: ignore[index]
                     prepared = replace(prepared, batch_index=original)
                     routed.append(Routed(prepared, by_name[name], reasons[original], checked[original].kept_turns))
