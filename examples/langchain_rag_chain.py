@@ -65,16 +65,7 @@ llm: Any = (
     else RunnableLambda(offline)
 )
 
-# 1. one-shot questions from two users: the second is sent in the first one's order (a shared
-#    prefix), with the retriever's ranking restated after the documents
-chain = inputs | prompt | llm
-for n, question in enumerate(questions):
-    answer = chain.invoke(question, config={"configurable": {"thread_id": f"user-{n}"}})
-    cached = (getattr(answer, "usage_metadata", None) or {}).get("input_token_details", {}).get("cache_read")
-    text = sent[-1][-1].content if sent else ""
-    print(f"question {n}: cached prompt tokens {cached}; prompt ends with: {str(text)[-400:]!r}")
-
-# 2. a conversation: the history is in the messages, so documents already shown become references
+# 1. a conversation: the history is in the messages, so documents already shown become references
 rag = ConversationalRAG(retriever=BM25Retriever(), llm=llm, pilot=pilot)
 for turn, question in enumerate([questions[0], questions[0] + " What was the verdict?"]):
     answer = rag.invoke(question, config={"configurable": {"thread_id": "demo"}})
@@ -83,4 +74,15 @@ for turn, question in enumerate([questions[0], questions[0] + " What was the ver
     print(f"turn {turn}: cached prompt tokens {cached}; {user.count('Please refer to [')} location references")
     if turn:
         print(user[:400])
+
+# 2. one-shot questions from other users: the first shares documents with the conversation's first
+#    turn, so it is sent in that turn's order (a prefix the engine holds), with the retriever's
+#    ranking restated after the documents; a question that shares nothing goes out exactly as it
+#    would without ContextPilot
+chain = inputs | prompt | llm
+for n, question in enumerate(questions[1:], start=1):
+    answer = chain.invoke(question, config={"configurable": {"thread_id": f"user-{n}"}})
+    cached = (getattr(answer, "usage_metadata", None) or {}).get("input_token_details", {}).get("cache_read")
+    text = sent[-1][-1].content if sent else ""
+    print(f"question {n}: cached prompt tokens {cached}; prompt ends with: {str(text)[-400:]!r}")
 print(pilot.stats())

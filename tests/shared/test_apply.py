@@ -134,11 +134,18 @@ def test_bad_entries_are_skipped_and_bad_messages_rejected() -> None:
 
 def test_a_block_another_worker_sent_plain_counts_as_recurring() -> None:
     """Blocks another worker sent without labels are the same blocks: a worker that sees
-    them again labels them, as it would had it sent them itself."""
+    them again sends them as it would had it sent them itself (here: plain, onto the plain
+    prefix the engine holds), and counts them as recurring."""
     docs = [{"id": f"d{n}", "text": f"text {n}", "tokens": 300} for n in range(3)]
     alone, other = ContextPilot(), ContextPilot()
     first = other.prepare(docs[:2], "q1")
     assert not first.labels  # a first sight goes out as without ContextPilot
     sent = list(dict(other.live_orders())[first.request_id])
     Applier(alone).apply(("sent", first.request_id, sent, [300, 300], 0.0), own=False)
-    assert alone.prepare(docs, "q2").labels == other.prepare(docs, "q2").labels == True  # noqa: E712
+    mine, theirs = alone.prepare(docs, "q2"), other.prepare(docs, "q2")
+    assert (mine.labels, mine.cached_blocks) == (theirs.labels, theirs.cached_blocks) == (False, 2)
+    assert [b.id for b in mine.blocks] == [b.id for b in theirs.blocks]
+    assert alone.stats().predicted_cached_tokens == 600
+    reordered = [docs[2], docs[1], docs[0]]  # d0 and d1 recur, d2 too now: the same send either way
+    mine, theirs = alone.prepare(reordered, "q3"), other.prepare(reordered, "q3")
+    assert (mine.labels, [b.id for b in mine.blocks]) == (theirs.labels, [b.id for b in theirs.blocks])

@@ -91,7 +91,7 @@ def test_chat_sglang_keeps_the_index_true_under_eviction(path: EventPath) -> Non
         ids, ends = message.response_metadata["prompt_token_ids"], message.response_metadata["block_ends"]
         assert len(ids) == prompt_tokens and len(ends) == len(prepared.blocks)
         assert scorer.block_ends(prepared, ids) == ends  # the ends the sink got are where the blocks are
-        first = scorer.tokens(render_block(prepared.blocks[0], prepared.templates)) or ()
+        first = scorer.tokens(render_block(prepared.blocks[0], prepared.templates, prepared.labels)) or ()
         settle_sink(sink, prepared.request_id, prompt_tokens // page * page)
         return score(prepared, ends, len(first), cached, prompt_tokens, page)
 
