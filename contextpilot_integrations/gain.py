@@ -10,23 +10,23 @@ index keeps them apart (:func:`plain_keys`). The reuse counts the future as well
 present:
 
 - now: the leading blocks the engine is predicted to hold (the live index);
-- later: the leading blocks a later request will carry too: in full for a partner later
-  in the same planned batch; weighed by the chance that a block recurs on this traffic
-  (``recur``, the share of blocks requested before) for one that other requests carried
-  (popularity >= 2). The canonical order puts them first, so later requests carrying them
-  follow the same prefix: measured on the bundled MultiHop-RAG sample, a gate on the
-  immediate reuse alone lowered the online hit ratio (25% capacity: 16.4% -> 15.8%). The
-  next block counts too, weighed by ``recur``: on the sample nearly every block recurs, so
-  labels pay; on traffic where little recurs yet (a new pilot), they rarely do.
+- later: a prefix that later requests may reuse. The canonical order puts blocks other
+  requests carried first, so later requests carrying them follow the same prefix
+  (measured on the bundled MultiHop-RAG sample, a gate on the immediate reuse alone
+  lowered the online hit ratio, 25% capacity: 16.4% -> 15.8%). A prefix cache reuses only a
+  common prefix, so each block counts as much as the chance that a later request carries
+  it and every block before it: sure for a partner later in a batch sent in order; else
+  ``recur``, the share of blocks that recur on this traffic, per block, for one that
+  another request carried (and for the block after the run). On the sample nearly every
+  block recurs, so labels pay; for a new pilot, or traffic where little recurs, a
+  many-block bet is worth little and the request goes out plain.
 
-Both count only as much as the engine keeps what the index predicts it holds
-(:class:`Retention`, from the engine's cached-token reports): an engine with one slot keeps
-almost nothing for later, and there labels and reordering never pay.
+Both count only as much as the engine has served what the index predicted
+(:class:`Retention`, from the engine's cached-token reports): llama-server with one slot
+keeps only its last prompt, and there labels and reordering soon stop being paid for.
 
-A request that shares nothing now and carries no block another request carried goes out
-plain: exactly the prompt without ContextPilot. A request larger than the engine's cache
-(when its size is known) can reuse what others left cached but leaves nothing behind: only
-the reuse now counts, and it is not indexed.
+A request larger than the engine's cache (when its size is known) can reuse what others
+left cached but leaves nothing behind: only the reuse now counts, and it is not indexed.
 """
 
 from __future__ import annotations
@@ -147,10 +147,10 @@ def choose_order(
         plain_ok: whether it may go without labels (not in a conversation, whose later
             turns refer to its blocks by label).
         recur: the chance that a block no other request carried yet will be carried by a
-            later one (the share of blocks requested before, on this traffic): the next
-            block of a labelled prefix counts that much of its tokens as later reuse.
+            later one (the share of blocks requested before, on this traffic): the block
+            after the prefix's run counts that much more (times the run's own chance).
         kept: the share of what the index predicts cached that the engine really served
-            (:attr:`Retention.share`): every reuse counts that much.
+            (:meth:`Retention.share_or`): every reuse counts that much.
     """
     fits = cache_tokens is None or sum(tokens[key] for key in retrieval) + label_cost <= cache_tokens
     later = shared if fits else _never  # what it leaves cached pays off for later requests
