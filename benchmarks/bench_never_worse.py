@@ -42,7 +42,7 @@ import httpx
 from contextpilot_integrations import ContextPilot, MicroBatcher
 from contextpilot_integrations.whatif.llama_server import tiny_llama_server
 from contextpilot_integrations.whatif.replay import PromptShape, replay
-from contextpilot_integrations.whatif.trace import TraceRequest, multihop_trace, working_set_tokens
+from contextpilot_integrations.whatif.trace import TraceRequest, multihop_chats, multihop_trace, working_set_tokens
 
 CAPACITIES = (0.002, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 SYSTEM = "Answer the question using the context documents."
@@ -65,12 +65,7 @@ class SimRow:
 
 def simulator_sweep(capacities: Sequence[float], modes: Sequence[str]) -> list[SimRow]:
     """Prefill tokens without and with ContextPilot (the default strategy) per capacity."""
-    single = multihop_trace()
-    grouped = multihop_trace(conversations=True)
-    sizes: dict[str | None, int] = {}
-    for request in grouped:
-        sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
-    chat = [r for r in grouped if r.conversation is not None and sizes[r.conversation] >= 2]
+    single, chat = multihop_trace(), multihop_chats()
     shape = PromptShape()
     rows = []
     for mode in modes:

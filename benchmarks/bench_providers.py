@@ -27,7 +27,7 @@ import time
 
 from contextpilot_integrations.providers import DEFAULT_PRICES, PRICES_AS_OF, ProviderUsage, cache_rules, cost_of
 from contextpilot_integrations.providers.names import check_provider
-from contextpilot_integrations.whatif import PromptShape, TraceRequest, multihop_trace
+from contextpilot_integrations.whatif import PromptShape, TraceRequest, multihop_chats, multihop_trace
 from contextpilot_integrations.whatif.provider_sim import Marking, ProviderRun, simulate_provider
 from contextpilot_integrations.whatif.replay import Mode, reuse_bound_of_prompts
 
@@ -40,21 +40,12 @@ MODELS = {
 HISTORY_TURNS = 4
 
 
-def chat_trace() -> list[TraceRequest]:
-    """The demo's chat workload: conversations of two turns or more."""
-    grouped = multihop_trace(conversations=True)
-    sizes: dict[str | None, int] = {}
-    for request in grouped:
-        sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
-    return [r for r in grouped if r.conversation is not None and sizes[r.conversation] >= 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=1.0, help="requests a second (the traces have no time stamps)")
     parser.add_argument("--providers", default="anthropic,bedrock,openai,gemini")
     args = parser.parse_args()
-    single, chat = multihop_trace(), chat_trace()
+    single, chat = multihop_trace(), multihop_chats()
     shape = PromptShape()
     bound = reuse_bound_of_prompts(single, shape)
     print(f"MultiHop-RAG sample: {len(single):,} queries; chat: {len(chat):,} turns in conversations, "

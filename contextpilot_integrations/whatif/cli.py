@@ -26,7 +26,7 @@ from .engine_compare import EngineComparison, EngineComparisonError
 from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
-from .trace import TraceError, TraceRequest, load_trace, multihop_trace, working_set_tokens
+from .trace import TraceError, TraceRequest, load_trace, multihop_chats, multihop_trace, working_set_tokens
 from .workers import worker_rows
 
 DEFAULT_STRATEGY = inspect.signature(ContextPilot).parameters["strategy"].default
@@ -245,13 +245,10 @@ class Workload:
 
 def _workload(args: argparse.Namespace) -> Workload:
     if args.command == "demo":
-        single = multihop_trace(texts=bool(args.engine or args.engine_cmd))
-        grouped = multihop_trace(conversations=True, texts=bool(args.engine or args.engine_cmd))
-        sizes: dict[str | None, int] = {}
-        for request in grouped:
-            sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
-        chat = [r for r in grouped if r.conversation is not None and sizes[r.conversation] >= 2]
-        return Workload("MultiHop-RAG sample (bundled; ODC-BY 1.0)", single, chat)
+        texts = bool(args.engine or args.engine_cmd)
+        return Workload(
+            "MultiHop-RAG sample (bundled; ODC-BY 1.0)", multihop_trace(texts=texts), multihop_chats(texts=texts)
+        )
     trace = load_trace(args.trace, limit=args.limit)
     return Workload(str(args.trace), trace, trace)
 

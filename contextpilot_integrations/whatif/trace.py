@@ -40,6 +40,7 @@ __all__ = [
     "check_conversations",
     "estimate_tokens",
     "load_trace",
+    "multihop_chats",
     "multihop_trace",
     "reuse_bound",
     "working_set_tokens",
@@ -248,6 +249,14 @@ def multihop_trace(conversations: bool = False, *, texts: bool = False) -> list[
         )
         for query in data.queries
     ]
+
+
+def multihop_chats(*, texts: bool = False) -> list[TraceRequest]:
+    """The demo's chat workload: :func:`multihop_trace` grouped into conversations, those of
+    two turns or more (a single turn has nothing to de-duplicate), turns in trace order."""
+    grouped = multihop_trace(conversations=True, texts=texts)
+    sizes = Counter(request.conversation for request in grouped)
+    return [r for r in grouped if r.conversation is not None and sizes[r.conversation] >= 2]
 
 
 def block_token_counts(trace: Sequence[TraceRequest]) -> dict[str, int]:

@@ -10,18 +10,14 @@ import functools
 import pytest
 
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, replay
-from contextpilot_integrations.whatif.trace import TraceRequest, multihop_trace, working_set_tokens
+from contextpilot_integrations.whatif.trace import TraceRequest, multihop_chats, multihop_trace, working_set_tokens
 
 
 @functools.cache
 def traces() -> tuple[list[TraceRequest], list[TraceRequest]]:
-    single = multihop_trace()
-    grouped = multihop_trace(conversations=True)
-    sizes: dict[str | None, int] = {}
-    for request in grouped:
-        sizes[request.conversation] = sizes.get(request.conversation, 0) + 1
-    chats = [name for name, size in sizes.items() if name is not None and size >= 2][:150]  # a fast test
-    return single, [r for r in grouped if r.conversation in chats]
+    chat = multihop_chats()
+    chats = set(list(dict.fromkeys(r.conversation for r in chat))[:150])  # a fast test: the first 150
+    return multihop_trace(), [r for r in chat if r.conversation in chats]
 
 
 @pytest.mark.parametrize(
