@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Collection, Hashable, MutableSequence, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Hashable, Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,8 @@ __all__ = [
     "aprepare_bound",
     "checked_for_sending",
     "dangling_references",
+    "invariant_breaches",
+    "message_texts",
     "prepare_bound",
     "resolve_references",
     "restore_references",
@@ -207,6 +209,36 @@ def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEM
         for match in pattern.finditer(joined)
         if block_head.format(label=match.group(1)) not in joined[: match.start()]
     ]
+
+
+def message_texts(body: Mapping[str, Any]) -> list[str]:
+    """The texts of an OpenAI-style chat request body's messages, in order (the text parts
+    of a message whose content is a list of parts)."""
+    texts: list[str] = []
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [part.get("text", "") for part in content if isinstance(part, Mapping)]
+    return texts
+
+
+def invariant_breaches(bodies: Iterable[Mapping[str, Any]], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
+    """What the chat request bodies sent to an engine break of the two invariants a user
+    cannot check: a location reference whose block is not before it in the same messages
+    (:func:`dangling_references`), and a request id (``rid`` or ``request_id``) that more
+    than one body sent. Empty when both hold. An audit for tests and logs."""
+    breaches: list[str] = []
+    ids: Counter[str] = Counter()
+    for body in bodies:
+        breaches += [
+            f"reference to [{label}] without its text" for label in dangling_references(message_texts(body), templates)
+        ]
+        rid = body.get("rid") or body.get("request_id")
+        if rid is not None:
+            ids[str(rid)] += 1
+    return breaches + [f"request id {rid!r} sent {count} times" for rid, count in ids.items() if count > 1]
 
 
 def prepare_bound(

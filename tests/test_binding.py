@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, render_block
-from contextpilot_integrations.binding import Binding, RunBinder, dangling_references, restore_references
+from contextpilot_integrations.annotations import render_reference
+from contextpilot_integrations.binding import (
+    Binding,
+    RunBinder,
+    dangling_references,
+    invariant_breaches,
+    restore_references,
+)
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
 
 
@@ -159,3 +166,18 @@ def test_a_plain_request_is_located_by_its_plain_text() -> None:
     system = "s" * 80
     binding = Binding(pilot, prepared).located(system + prepared.render())
     assert binding.before_tokens == 80 // CHARS_PER_TOKEN
+
+
+def test_invariant_breaches_names_a_dangling_reference_and_a_repeated_id() -> None:
+    block = Block(id="7", text="seven")
+    shown = {"rid": "a", "messages": [{"role": "user", "content": render_block(block)}]}
+    referred = {
+        "rid": "b",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": render_block(block)}]},  # text parts count
+            {"role": "user", "content": render_reference(block)},
+        ],
+    }
+    assert invariant_breaches([shown, referred, {"messages": []}]) == []  # a body without an id carries none
+    alone = {"request_id": "a", "messages": [{"role": "user", "content": render_reference(block)}]}
+    assert invariant_breaches([shown, alone]) == ["reference to [7] without its text", "request id 'a' sent 2 times"]

@@ -21,7 +21,7 @@ from llama_index.core.chat_engine import ContextChatEngine
 from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references
+from contextpilot_integrations.binding import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.engines import Router, Target
 from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server
 from llama_index.postprocessor.contextpilot import (
@@ -62,14 +62,11 @@ class Recorder:
             "async_http_client": httpx.AsyncClient(event_hooks={"request": [record]}),
         }
 
-    def texts(self, body: dict[str, Any]) -> list[str]:
-        return [m["content"] if isinstance(m["content"], str) else "" for m in body["messages"]]
-
     def dangling(self) -> int:
-        return sum(len(dangling_references(self.texts(body))) for body in self.bodies)
+        return sum(len(dangling_references(message_texts(body))) for body in self.bodies)
 
     def references(self) -> int:
-        return sum("\n".join(self.texts(body)).count("Please refer to [") for body in self.bodies)
+        return sum("\n".join(message_texts(body)).count("Please refer to [") for body in self.bodies)
 
     def ids(self) -> list[str]:
         return [body["rid"] for body in self.bodies]
@@ -81,14 +78,7 @@ def every_body_keeps_both_invariants() -> Iterator[None]:
     and no request id sent twice (bodies without an id field carry none)."""
     Recorder.made.clear()
     yield
-    bodies = [body for recorder in Recorder.made for body in recorder.bodies]
-    assert (
-        sum(len(dangling_references(recorder.texts(body))) for recorder in Recorder.made for body in recorder.bodies)
-        == 0
-    )
-    ids = [body.get("rid") or body.get("request_id") for body in bodies]
-    sent = [rid for rid in ids if rid is not None]
-    assert len(sent) == len(set(sent)), "a request id was sent twice"
+    assert invariant_breaches(body for recorder in Recorder.made for body in recorder.bodies) == []
 
 
 def sglang(llama: LlamaServer, recorder: Recorder, **options: Any) -> SGLangLLM:
