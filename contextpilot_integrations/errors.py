@@ -68,3 +68,7 @@ def as_engine_error(exc: BaseException, where: str) -> BaseException:
     error = EngineUnavailable(f"{where}: the connection failed ({type(exc).__name__}: {exc})")
     error.__cause__ = exc
     return error
+
+
+class CacheKeyWarning(UserWarning):
+    """A ``prompt_cache_key`` the caller set is sent in place of ContextPilot's."""

@@ -7,7 +7,8 @@ model output worth reading. What it does model is the prompt cache the provider 
 (:func:`~.fake_http.breakpoint_usage`): a prefix up to a ``cache_control`` breakpoint is
 written on first use and read by later requests that repeat it, found at a breakpoint or up
 to 20 blocks before one; a prefix below ``min_tokens`` is silently not cached; more than 4
-breakpoints is an error (HTTP 400), as on the real API. The usage it reports
+breakpoints is an error (HTTP 400), as on the real API; the top-level ``cache_control``
+(automatic caching: a marker on the last block) takes one of the 4 slots. The usage it reports
 (``cache_read_input_tokens``, ``cache_creation_input_tokens``, ``input_tokens``) is
 computed from the requests, not canned. Tokens are counted as four characters each. With
 ``call_tools`` on, a request that offers tools and ends with the user's text gets a
@@ -53,6 +54,8 @@ class FakeAnthropic:
         """The usage this request is billed: cache reads, writes, and the rest (and the
         prefixes it leaves in the cache)."""
         pieces, marks = _flatten(body)
+        if body.get("cache_control") and pieces and (not marks or marks[-1] != len(pieces) - 1):
+            marks = [*marks, len(pieces) - 1]  # the top-level (automatic) marker: on the last block
         total = sum(len(piece) for piece in pieces) // CHARS_PER_TOKEN
         read, written = breakpoint_usage(
             self._cache, pieces, marks, scope=str(body.get("model")), min_tokens=self.min_tokens
@@ -73,7 +76,7 @@ class FakeAnthropic:
             self.fail_next -= failing
         if failing:
             return _error(529, "overloaded_error", "Overloaded")
-        breakpoints = len(_flatten(body)[1])
+        breakpoints = len(_flatten(body)[1]) + bool(body.get("cache_control"))  # the automatic one takes a slot
         if breakpoints > MAX_BREAKPOINTS:
             return _error(
                 400,

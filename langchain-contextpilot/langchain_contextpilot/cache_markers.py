@@ -14,12 +14,15 @@ plan in each provider's own LangChain form, on copies of the outgoing messages:
   ``prompt_cache_options={"mode": "explicit"}`` where the plan asks for explicit mode);
 - Gemini (``ChatGoogleGenerativeAI``): nothing to write, the order is all that helps.
 
-Markers the messages already carry count against the provider's limit of four.
+Every marker the request carries besides ours counts against the provider's limit of four:
+on the messages, on a bound tool definition, and ``ChatAnthropic``'s top-level
+``cache_control`` (call argument or ``model_kwargs``; see
+:func:`~contextpilot_integrations.hosted_plans.markers_left`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +31,11 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
-from contextpilot_integrations.hosted_plans import plan_bound_call, with_cache_key
+from contextpilot_integrations.hosted_keys import ConversationKeys
+from contextpilot_integrations.hosted_plans import markers_left, plan_bound_call, with_cache_key
 from contextpilot_integrations.providers import CachePlan
 
-__all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage"]
+__all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage", "text_of"]
 
 PROVIDERS = ("openai", "anthropic", "bedrock", "gemini")
 _BY_CLASS = {
@@ -42,7 +46,6 @@ _BY_CLASS = {
     "ChatBedrockConverse": "bedrock",
     "ChatGoogleGenerativeAI": "gemini",
 }
-MAX_MARKERS = 4
 _ANTHROPIC_MARK = {"type": "ephemeral"}
 _BEDROCK_MARK = {"cachePoint": {"type": "default"}}
 
@@ -97,9 +100,18 @@ def mark_messages(
     kwargs: dict[str, Any],
     *,
     conversation: bool = False,
+    tools: Iterable[Any] = (),
+    settings: Sequence[Mapping[str, Any]] = (),
+    callers_key: str | None = None,
+    keys: ConversationKeys | None = None,
 ) -> MarkedCall:
     """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``
     (and into ``kwargs`` for OpenAI). The caller's messages are never changed.
+
+    ``tools`` (besides ``kwargs["tools"]``) and ``settings`` (besides ``kwargs``: the
+    model's ``model_kwargs``) may carry markers too; ``callers_key``: a ``prompt_cache_key``
+    the model sends of its own; ``keys``: the conversations' keys (see
+    :func:`~contextpilot_integrations.hosted_plans.with_cache_key`).
 
     ``conversation``: the documents follow a conversation (an agent's tool results):
     OpenAI's key then comes from the prompt's leading text
@@ -109,19 +121,29 @@ def mark_messages(
     prepared = binding.prepared
     out = list(messages)
     existing = sum(_markers_in(message, provider) for message in out)
-    budget = max(MAX_MARKERS - existing, 0)
+    budget = markers_left(
+        provider, existing, tools=[*(kwargs.get("tools") or ()), *tools], settings=[kwargs, *settings]
+    )
     needles = [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
     first = _locate(out, needles[0], prepared.blocks[0].text, provider) if needles else None
     last_human = max((i for i, m in enumerate(out) if isinstance(m, HumanMessage)), default=-1)
     start = 1 if out and isinstance(out[0], SystemMessage) else 0
     in_last_turn = first is not None and first[0][0] == last_human
     history = out[start:last_human] if in_last_turn and last_human > start else []
-    history_tokens = sum(len(_text_of(message)) for message in history) // CHARS_PER_TOKEN
+    history_tokens = sum(len(text_of(message)) for message in history) // CHARS_PER_TOKEN
     plan = plan_bound_call(binding, provider, model, history_tokens=history_tokens, max_breakpoints=budget)
     call_kwargs = dict(kwargs)
     if provider == "openai":
-        texts = [_text_of(message) for message in out]
-        call_kwargs = with_cache_key(plan, call_kwargs, binding, lambda: texts, follows_conversation=conversation)
+        texts = [text_of(message) for message in out]
+        call_kwargs = with_cache_key(
+            plan,
+            call_kwargs,
+            binding,
+            lambda: texts,
+            follows_conversation=conversation,
+            callers_key=callers_key,
+            keys=keys,
+        )
     if provider == "openai" and plan.explicit_only and "prompt_cache_options" not in call_kwargs:
         call_kwargs["prompt_cache_options"] = {"mode": "explicit"}
     last_message = conversation and provider in ("anthropic", "bedrock")
@@ -152,6 +174,9 @@ def mark_messages(
         ends_to_mark.append(0)
     if last_message and out and len(out) - 1 not in ends_to_mark:
         ends_to_mark.append(len(out) - 1)  # the conversation so far, for its next turn
+    if provider == "anthropic" and any(setting.get("cache_control") for setting in [kwargs, *settings] if setting):
+        # the top-level (automatic) marker goes on the last block: ours there would take a second slot
+        ends_to_mark = [index for index in ends_to_mark if index != len(out) - 1]
     for index in ends_to_mark:
         marked = _mark_end(out[index], provider) if placed < budget else None
         if marked is not None:
@@ -174,7 +199,8 @@ def _part_text(part: Any) -> str | None:
     return None
 
 
-def _text_of(message: BaseMessage) -> str:
+def text_of(message: BaseMessage) -> str:
+    """The message's text parts, joined."""
     return "".join(text for part in _parts(message) if (text := _part_text(part)) is not None)
 
 

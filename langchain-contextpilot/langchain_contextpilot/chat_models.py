@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
 import inspect
 import logging
 import os
@@ -22,12 +23,14 @@ from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.errors import EngineError
+from contextpilot_integrations.hosted_keys import ConversationKeys
+from contextpilot_integrations.hosted_plans import callers_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import _binding, _model_calls, cache_markers
@@ -228,8 +231,12 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
       ["cache_read"]``) goes back to the request's pilot, and a failed call makes the
       pilot forget the request (a retry takes it again, under a new id).
 
-    Tools and structured output work as on the wrapped model (``bind_tools``).
+    Tools and structured output work as on the wrapped model (``bind_tools``). An argument
+    it does not know (a misspelt ``provder=``, or ``pilot=``, which belongs to the
+    retriever or compressor) is refused, as LangChain's own models refuse misspelt fields.
     """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     llm: BaseChatModel
     """The chat model that talks to the provider."""
@@ -244,6 +251,18 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     """The hosted API whose prompt cache to mark: ``openai``, ``anthropic``, ``bedrock``,
     ``gemini``; ``"auto"``: from the wrapped class (``ChatOpenAI`` only at OpenAI's own
     URL); ``None``: no markers. See :mod:`.cache_markers`."""
+    _keys: ConversationKeys = PrivateAttr(default_factory=ConversationKeys)
+    """The OpenAI key each conversation was first sent under (its later turns keep it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            known = {*cls.model_fields, *(field.alias for field in cls.model_fields.values() if field.alias)}
+            for name in values:
+                if name not in known:
+                    raise ValueError(_unknown_argument(cls, name))
+        return values
 
     @model_validator(mode="after")
     def _engine_needs_a_body(self) -> ContextPilotChatModel:
@@ -287,7 +306,16 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         if binding is None or provider is None:
             return binding, sent, kwargs
         try:
-            marked = cache_markers.mark_messages(provider, cache_markers.model_name(self.llm), binding, sent, kwargs)
+            marked = cache_markers.mark_messages(
+                provider,
+                cache_markers.model_name(self.llm),
+                binding,
+                sent,
+                kwargs,
+                settings=[getattr(self.llm, "model_kwargs", None) or {}],
+                callers_key=callers_cache_key(kwargs, self.llm),
+                keys=self._keys,
+            )
         except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
             _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
             return binding, sent, kwargs
@@ -340,6 +368,21 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
     ) -> AsyncIterator[ChatGenerationChunk]:
         return self.llm._astream(messages, stop=stop, run_manager=run_manager, **self._stream_kwargs(kwargs))
+
+
+def _unknown_argument(cls: type, name: str) -> str:
+    """Why ``name`` is refused, and what was probably meant."""
+    known = sorted(cls.model_fields)  # type: ignore[attr-defined]
+    if name == "pilot":
+        hint = (
+            ": the pilot belongs to the component that prepares the request (ContextPilotRetriever, "
+            "ContextPilotCompressor, ConversationalRAG, ContextPilotMiddleware); the model takes "
+            "that request from its invocation"
+        )
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
+    return f"{cls.__name__} got an unknown argument {name!r}{hint}"
 
 
 class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,13 +34,16 @@ from langgraph.types import Command
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
 from contextpilot_integrations.engines.feedback import report_failed
+from contextpilot_integrations.hosted_keys import ConversationKeys
+from contextpilot_integrations.hosted_plans import callers_cache_key, conversation_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, to_blocks
 from ._model_calls import _rebuilt, _segments
+from .chat_models import ContextPilotChatModel
 
-__all__ = ["REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware"]
+__all__ = ["REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware", "WrappedModelWarning"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,6 +52,12 @@ TURN_KEY = "contextpilot_turn"
 REQUEST_KEY = "contextpilot_request"
 """Where a rewritten tool result records its prepared request's id (``additional_kwargs``)."""
 MAX_PENDING = 1_000
+
+
+class WrappedModelWarning(UserWarning):
+    """The agent's model is a ``ContextPilotChatModel``: the middleware does its work in an
+    agent, and the ecosystem's middleware (``AnthropicPromptCachingMiddleware``) accepts only
+    the provider's own class."""
 
 
 class ContextPilotMiddleware(AgentMiddleware):
@@ -82,6 +92,8 @@ class ContextPilotMiddleware(AgentMiddleware):
         self.usage_feedback = usage_feedback
         self._pending: OrderedDict[str, Binding] = OrderedDict()  # request id -> prepared, until its model call
         self._lock = threading.Lock()
+        self._keys = ConversationKeys()  # OpenAI: every call of a thread under the key of its first
+        self._warned_wrapped = False
 
     # ---- tool results ----------------------------------------------------------------------------
     def _documents(self, request: ToolCallRequest, result: Any) -> list[Document] | None:
@@ -153,11 +165,12 @@ class ContextPilotMiddleware(AgentMiddleware):
 
     def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, Binding | None, str | None, str | None]:
         """The request to send (markers placed), its binding, provider and tool result's id."""
+        self._check_model(request.model)
         binding, rid = self._take(request.messages)
-        if binding is None:
-            return request, None, None, None
         system = [request.system_message] if request.system_message is not None else []
         messages: list[BaseMessage] = [*system, *request.messages]
+        if binding is None:
+            return self._keyed(request, messages), None, None, None
         segments, places = _segments(messages)
         binding = checked_for_sending(binding, segments)  # every reference resolvable in what is sent
         messages = _rebuilt(messages, segments, places)
@@ -166,7 +179,16 @@ class ContextPilotMiddleware(AgentMiddleware):
         if provider is not None:
             try:
                 marked = cache_markers.mark_messages(
-                    provider, cache_markers.model_name(request.model), binding, messages, settings, conversation=True
+                    provider,
+                    cache_markers.model_name(request.model),
+                    binding,
+                    messages,
+                    settings,
+                    conversation=True,
+                    tools=request.tools,
+                    settings=[self._model_kwargs(request.model)],
+                    callers_key=callers_cache_key(settings, getattr(request.model, "llm", request.model)),
+                    keys=self._keys,
                 )
             except (TypeError, ValueError) as exc:
                 _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
@@ -178,6 +200,42 @@ class ContextPilotMiddleware(AgentMiddleware):
         if isinstance(head, SystemMessage):
             overrides["system_message"] = head
         return request.override(**overrides), binding, provider, rid
+
+    def _check_model(self, model: Any) -> None:
+        if self._warned_wrapped or not isinstance(model, ContextPilotChatModel):
+            return
+        self._warned_wrapped = True
+        warnings.warn(
+            f"the agent's model is a ContextPilotChatModel around {type(model.llm).__name__}: pass "
+            f"{type(model.llm).__name__} itself to create_agent. ContextPilotMiddleware does in an agent what "
+            "ContextPilotChatModel does in a chain, and AnthropicPromptCachingMiddleware accepts only "
+            "ChatAnthropic (wrapped, it places no marker); list it before ContextPilotMiddleware, which "
+            "counts its markers",
+            WrappedModelWarning,
+            stacklevel=2,
+        )
+
+    def _keyed(self, request: ModelRequest, messages: Sequence[BaseMessage]) -> ModelRequest:
+        """A call with no tool result of ours (the first of a turn): on OpenAI, in a thread,
+        the thread's key, so every call of the conversation goes to one cache."""
+        conversation = conversation_id_from_config(None)
+        if self._resolve(request.model) != "openai" or conversation is None:
+            return request
+        texts = [cache_markers.text_of(message) for message in messages]
+        settings = conversation_cache_key(
+            request.model_settings,
+            conversation,
+            lambda: texts,
+            self._keys,
+            callers_key=callers_cache_key(request.model_settings, getattr(request.model, "llm", request.model)),
+        )
+        return request if settings == request.model_settings else request.override(model_settings=settings)
+
+    @staticmethod
+    def _model_kwargs(model: Any) -> dict[str, Any]:
+        """The model's own ``model_kwargs`` (a top-level ``cache_control`` there takes a slot)."""
+        inner = getattr(model, "llm", model)
+        return dict(getattr(inner, "model_kwargs", None) or {})
 
     def _resolve(self, model: Any) -> str | None:
         if self.provider is None:

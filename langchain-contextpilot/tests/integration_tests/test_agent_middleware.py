@@ -101,8 +101,8 @@ def test_agent_on_openai_sends_a_prompt_cache_key_and_reports_cached_tokens() ->
         run_turns(agent, [QUERY, RELATED])
         bodies = fake.requests
         check_no_dangling_and_references_used(bodies, pilot)
-        assert [bool(body.get("prompt_cache_key")) for body in bodies] == [False, True, False, True]
-        assert bodies[1]["prompt_cache_key"] == bodies[3]["prompt_cache_key"]  # one conversation, one machine
+        keys = [body.get("prompt_cache_key") for body in bodies]
+        assert all(keys) and len(set(keys)) == 1  # one conversation, one machine: every call of it
         usage = pilot.stats().provider_usage["openai"]
         assert usage.requests == 2 and usage.cache_read_tokens > 0
 
