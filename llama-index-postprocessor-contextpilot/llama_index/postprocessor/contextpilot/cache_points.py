@@ -9,12 +9,14 @@ module writes it in LlamaIndex's own form, on copies of the outgoing messages:
 - OpenAI (``llama_index.llms.openai.OpenAI``): the plan's ``prompt_cache_key`` as a call
   argument (it goes into the request body).
 
-Markers the messages already carry count against Anthropic's limit of four.
+Every marker the request carries besides ours counts against Anthropic's limit of four:
+``CachePoint`` blocks, a message's own ``additional_kwargs["cache_control"]``, the messages
+``Anthropic(cache_idx=...)`` marks, and a ``cache_control`` request argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +25,13 @@ from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessa
 from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
-from contextpilot_integrations.hosted_plans import plan_bound_call, with_cache_key
+from contextpilot_integrations.hosted_keys import ConversationKeys
+from contextpilot_integrations.hosted_plans import markers_left, plan_bound_call, with_cache_key
 from contextpilot_integrations.providers import CachePlan
 
 __all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
 
 PROVIDERS = ("openai", "anthropic")
-MAX_MARKERS = 4
 
 
 def provider_of(llm: Any) -> str | None:
@@ -60,13 +62,27 @@ class MarkedChat:
 
 
 def mark_chat(
-    provider: str, model: str | None, binding: Binding, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    provider: str,
+    model: str | None,
+    binding: Binding,
+    messages: Sequence[ChatMessage],
+    kwargs: dict[str, Any],
+    *,
+    settings: Sequence[Mapping[str, Any]] = (),
+    cache_idx: int | None = None,
+    callers_key: str | None = None,
+    keys: ConversationKeys | None = None,
 ) -> MarkedChat:
-    """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``."""
+    """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``.
+
+    ``settings`` (besides ``kwargs``: the LLM's ``additional_kwargs``) and ``cache_idx``
+    (``Anthropic``'s own) may carry markers too; ``callers_key``: a ``prompt_cache_key`` the
+    LLM sends of its own; ``keys``: the conversations' keys (see
+    :func:`~contextpilot_integrations.hosted_plans.with_cache_key`)."""
     prepared = binding.prepared
     out = list(messages)
-    existing = sum(1 for message in out for block in message.blocks if isinstance(block, CachePoint))
-    budget = max(MAX_MARKERS - existing, 0)
+    existing = sum(_markers_in(index, message, cache_idx) for index, message in enumerate(out))
+    budget = markers_left(provider, existing, settings=[kwargs, *settings])
     needles = [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
     users = [i for i, m in enumerate(out) if m.role == MessageRole.USER]
     last_user = users[-1] if users else -1
@@ -77,7 +93,8 @@ def mark_chat(
     plan = plan_bound_call(binding, provider, model, history_tokens=history_tokens, max_breakpoints=budget)
     call_kwargs = dict(kwargs)
     if provider == "openai":
-        call_kwargs = with_cache_key(plan, call_kwargs, binding, lambda: [_text(message) for message in out])
+        texts = [_text(message) for message in out]
+        call_kwargs = with_cache_key(plan, call_kwargs, binding, lambda: texts, callers_key=callers_key, keys=keys)
     if provider != "anthropic" or budget <= 0:
         return MarkedChat(out, call_kwargs, plan, 0)
     cuts: dict[tuple[int, int], list[int]] = {}
@@ -98,6 +115,16 @@ def mark_chat(
             out[index] = out[index].model_copy(update={"blocks": [*blocks, _point()]})
             placed += 1
     return MarkedChat(out, call_kwargs, plan, placed)
+
+
+def _markers_in(index: int, message: ChatMessage, cache_idx: int | None) -> int:
+    """Markers a message will carry: its ``CachePoint`` blocks, and one on its last block for
+    its own ``cache_control`` or ``Anthropic(cache_idx=...)`` reaching it."""
+    points = sum(1 for block in message.blocks if isinstance(block, CachePoint))
+    marked = bool(message.additional_kwargs.get("cache_control")) or (
+        cache_idx is not None and (cache_idx == -1 or index <= cache_idx)
+    )
+    return points + marked
 
 
 def _point() -> CachePoint:

@@ -8,6 +8,7 @@ and other OpenAI-compatible engines (``llama-index-llms-sglang`` talks to
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -23,13 +24,15 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import LLM
 from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.hosted_keys import ConversationKeys
+from contextpilot_integrations.hosted_plans import callers_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
 
 from . import _llm_calls, cache_points
@@ -117,6 +120,9 @@ class ContextPilotLLM(_Reports, LLM):
     - the provider's cached tokens (OpenAI ``prompt_tokens_details.cached_tokens``,
       Anthropic ``cache_read_input_tokens``) go back to the request's pilot and into
       ``response.additional_kwargs["cached_tokens"]``; a failed call makes the pilot forget it.
+
+    An argument it does not know (a misspelt ``provder=``, or ``pilot=``, which belongs to
+    the postprocessor or chat engine) is refused.
     """
 
     llm: Any = Field(description="The LlamaIndex LLM that talks to the provider.")
@@ -128,8 +134,14 @@ class ContextPilotLLM(_Reports, LLM):
         description="The hosted API whose prompt cache to mark (openai, anthropic); auto: from the wrapped "
         "class (OpenAI only at OpenAI's own URL); None: no markers. See cache_points.",
     )
+    _keys: ConversationKeys = PrivateAttr(default_factory=ConversationKeys)
+    """The OpenAI key each conversation was first sent under (its later turns keep it)."""
 
     def __init__(self, **kwargs: Any) -> None:
+        known = {*type(self).model_fields, *(f.alias for f in type(self).model_fields.values() if f.alias)}
+        for name in kwargs:
+            if name not in known:
+                raise ValueError(_unknown_argument(type(self).__name__, name, sorted(type(self).model_fields)))
         super().__init__(**kwargs)
         if not isinstance(self.llm, LLM):
             raise TypeError(f"llm must be a LlamaIndex LLM, got {type(self.llm).__name__}")
@@ -179,7 +191,17 @@ class ContextPilotLLM(_Reports, LLM):
         if binding is None or provider is None:
             return binding, sent, kwargs
         try:
-            marked = cache_points.mark_chat(provider, cache_points.model_name(self.llm), binding, sent, kwargs)
+            marked = cache_points.mark_chat(
+                provider,
+                cache_points.model_name(self.llm),
+                binding,
+                sent,
+                kwargs,
+                settings=[getattr(self.llm, "additional_kwargs", None) or {}],
+                cache_idx=getattr(self.llm, "cache_idx", None),
+                callers_key=callers_cache_key(kwargs, self.llm),
+                keys=self._keys,
+            )
         except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
             _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
             return binding, sent, kwargs
@@ -272,6 +294,19 @@ class ContextPilotLLM(_Reports, LLM):
         except BaseException as exc:
             _llm_calls.reraise(self._fail(binding, exc), exc)
         return self._astreamed(binding, stream)
+
+
+def _unknown_argument(cls: str, name: str, known: list[str]) -> str:
+    """Why ``name`` is refused, and what was probably meant."""
+    if name == "pilot":
+        hint = (
+            ": the pilot belongs to the component that prepares the request (ContextPilotPostprocessor, "
+            "ContextPilotChatEngine); the LLM takes that request from its query"
+        )
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
+    return f"{cls} got an unknown argument {name!r}{hint}"
 
 
 class SGLangLLM(_Reports, OpenAILike):
