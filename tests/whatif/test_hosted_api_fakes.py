@@ -67,6 +67,22 @@ def test_anthropic_reads_at_breakpoints_with_look_back_skips_short_prefixes_and_
         assert short.cache_creation_input_tokens == short.cache_read_input_tokens == 0  # below the minimum
         with pytest.raises(anthropic.BadRequestError, match="maximum of 4"):
             usage(*({"type": "text", "text": f"block {i}", "cache_control": marked} for i in range(5)))
+        # the top-level (automatic) marker takes a slot, and writes the prompt up to its last block
+        four = [{"type": "text", "text": f"block {i}", "cache_control": marked} for i in range(4)]
+        with pytest.raises(anthropic.BadRequestError, match="Found 5"):
+            client.messages.create(
+                model="claude-fake",
+                max_tokens=5,
+                messages=[{"role": "user", "content": four}],
+                extra_body={"cache_control": marked},
+            )
+        automatic = client.messages.create(
+            model="claude-fake",
+            max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "text", "text": LONG + " once more"}]}],
+            extra_body={"cache_control": marked},
+        ).usage
+        assert automatic.cache_creation_input_tokens >= len(LONG) // 4
 
 
 def test_bedrock_converse_cache_points_through_boto3() -> None:
