@@ -207,8 +207,8 @@ class ContextPilotMiddleware(AgentMiddleware):
         self._warned_wrapped = True
         warnings.warn(
             f"the agent's model is a ContextPilotChatModel around {type(model.llm).__name__}: pass "
-            f"{type(model.llm).__name__} itself to create_agent. ContextPilotMiddleware does in an agent what "
-            "ContextPilotChatModel does in a chain, and AnthropicPromptCachingMiddleware accepts only "
+            f"{type(model.llm).__name__} itself to create_agent. ContextPilotMiddleware does for tool results "
+            "what ContextPilotChatModel does in a chain, and AnthropicPromptCachingMiddleware accepts only "
             "ChatAnthropic (wrapped, it places no marker); list it before ContextPilotMiddleware, which "
             "counts its markers",
             WrappedModelWarning,
@@ -221,11 +221,10 @@ class ContextPilotMiddleware(AgentMiddleware):
         conversation = conversation_id_from_config(None)
         if self._resolve(request.model) != "openai" or conversation is None:
             return request
-        texts = [cache_markers.text_of(message) for message in messages]
         settings = conversation_cache_key(
             request.model_settings,
             conversation,
-            lambda: texts,
+            lambda: [cache_markers.text_of(message) for message in messages],
             self._keys,
             callers_key=callers_cache_key(request.model_settings, getattr(request.model, "llm", request.model)),
         )
