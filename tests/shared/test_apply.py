@@ -84,7 +84,8 @@ def test_a_snapshot_plus_nothing_equals_the_log(sequence: list[tuple[object, ...
     for entry in sequence:
         applier.apply(entry, own=False)
     restored = ContextPilot()
-    Applier(restored).load(applier.snapshot(seq=len(sequence)))
+    seq = Applier(restored).load(applier.snapshot("stream-1", seq=len(sequence) + 1), "stream-1", len(sequence) + 1)
+    assert seq == len(sequence) + 1
     assert dict(restored.live_orders()) == dict(pilot.live_orders())
 
 

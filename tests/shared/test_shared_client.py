@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import subprocess
 import sys
 import time
@@ -39,8 +40,9 @@ def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
 def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = free_port()
-    monkeypatch.setenv("CONTEXTPILOT_SHARED", f"nats://127.0.0.1:{port}")  # the switch, from the environment
+    port, password = free_port(), secrets.token_hex(8)
+    url = f"nats://contextpilot:{password}@127.0.0.1:{port}"
+    monkeypatch.setenv("CONTEXTPILOT_SHARED", url)  # the switch, from the environment
     caplog.set_level(logging.WARNING, logger="contextpilot_integrations.shared")
     pilot = ContextPilot()
     assert pilot.shared is not None
@@ -52,7 +54,8 @@ def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
         assert stats.shared_connected is False and stats.shared_unsent == 5
         unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(unreachable) == 1, "one warning per outage, not one per attempt"
-        with NatsServer(port=port) as server:
+        assert f"nats://127.0.0.1:{port}" in unreachable[0].getMessage()
+        with NatsServer(port=port, password=password) as server:
             assert pilot.shared.flush(20.0), "the waiting entries went out once the broker came"
             assert pilot.stats().shared_connected is True
             other = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))
@@ -63,3 +66,4 @@ def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
                 other.shared.close()
     finally:
         pilot.shared.close(timeout=1.0)
+    assert not [r for r in caplog.records if password in r.getMessage()], "the broker password was logged"
