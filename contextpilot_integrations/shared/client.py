@@ -229,6 +229,7 @@ class SharedIndex:
         self._pid = os.getpid()
         self._idle = False
         self._stopping = False
+        self._drain_deadline = 0.0  # stopping: keep trying to send what is pending until then
         self._inflight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -264,6 +265,7 @@ class SharedIndex:
         out first, for at most a couple of seconds)."""
         atexit.unregister(client._at_exit)
         client._closed = True
+        client._drain_deadline = time.monotonic() + 2.0
         client._stop()
 
     # ---- fork ----------------------------------------------------------------------------------
@@ -461,7 +463,7 @@ class SharedIndex:
         import nats  # the optional dependency: imported only when sharing is on
 
         backoff = 0.1
-        while not self._stopping:
+        while not self._stopping or self._draining():
             nc = None
             try:
                 nc = await asyncio.wait_for(
@@ -486,11 +488,22 @@ class SharedIndex:
                 if nc is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(nc.close(), 2)
-            if self._stopping:
+            if self._stopping and not self._draining():
                 break
             self._connected = False
             await self._sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+        if self._drain_deadline and self.unsent:
+            log.warning(
+                "shared index: %d entries of %s not sent (the pilot was dropped and the broker at %s did not take "
+                "them in time); other workers will not learn them",
+                self.unsent,
+                self.options.subject,
+                redact(self.options.url),
+            )
+
+    def _draining(self) -> bool:
+        return bool(self.unsent) and time.monotonic() < self._drain_deadline
 
     async def _quiet(self, _error: Exception) -> None:
         return None
@@ -530,6 +543,9 @@ class SharedIndex:
             self._seq = 0
         self._stream_id = stream_id
         self._stream_last = info.state.last_seq
+        if self._stopping:  # the pilot was dropped: send what is pending, follow nothing
+            await asyncio.wait_for(self._publish_pending(js, nc.max_payload), 2.0)
+            return
         store = await self._object_store(js)
         if not self._loaded and store is not None:
             await self._load_snapshot(store, stream_id, info.state.last_seq)

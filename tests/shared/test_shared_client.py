@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -79,3 +82,33 @@ def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
     finally:
         pilot.shared.close(timeout=1.0)
     assert not [r for r in caplog.records if password in r.getMessage()], "the broker password was logged"
+
+
+def client_threads() -> int:
+    return sum(thread.name.startswith("contextpilot-shared") for thread in threading.enumerate())
+
+
+@needs_broker
+def test_a_dropped_pilot_closes_its_broker_client_after_sending_what_it_learned() -> None:
+    """A pilot per request (an integration built per request without ``pilot=``): each one's
+    client stops once the pilot is dropped, and what it learned still reaches the others."""
+    with NatsServer() as server:
+        options = SharedOptions(url=server.url, snapshot_interval=0)
+        keeper = ContextPilot(shared=options)
+        try:
+            baseline, sockets = client_threads(), len(os.listdir("/proc/self/fd"))
+            for n in range(20):
+                pilot = ContextPilot(shared=options)
+                pilot.prepare(BLOCKS, "q", request_id=f"req{n}")
+                del pilot
+            gc.collect()
+            deadline = time.monotonic() + 20
+            while client_threads() > baseline and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client_threads() == baseline, "clients of dropped pilots still run"
+            # each client holds a socket, an epoll and a wake-up pipe: 20 leaked would be 60 or more
+            assert len(os.listdir("/proc/self/fd")) < sockets + 5, "connections of dropped pilots still open"
+            assert keeper.shared.wait_caught_up(20.0)
+            assert sorted(keeper.live_request_ids()) == sorted(f"req{n}" for n in range(20))
+        finally:
+            keeper.shared.close()
