@@ -35,10 +35,12 @@ __all__ = ["Applier"]
 class Applier:
     """Applies entries to one pilot and keeps the bounded set of evicted ids."""
 
-    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000) -> None:
+    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000, max_origins: int = 100_000) -> None:
         self._pilot = weakref.ref(pilot)  # the pilot owns its client, not the reverse: dropped, it is collected
         self.max_tombstones = max_tombstones
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self.max_origins = max_origins
+        self._numbers: OrderedDict[str, int] = OrderedDict()  # origin -> its last batch applied
         self._lock = threading.Lock()
         self.applied = 0
         self.skipped = 0
@@ -72,6 +74,19 @@ class Applier:
     def tombstones(self) -> list[str]:
         with self._lock:
             return list(self._tombstones)
+
+    def fresh(self, origin: str, first: int) -> bool:
+        """Whether a batch comes after everything of its origin applied so far: a signed
+        message stored again (a replay by a client of the broker, a publish retried after the
+        de-duplication window) is not applied twice."""
+        with self._lock:
+            if first <= self._numbers.get(origin, -1):
+                return False
+            self._numbers[origin] = first
+            self._numbers.move_to_end(origin)
+            while len(self._numbers) > self.max_origins:
+                self._numbers.popitem(last=False)
+            return True
 
     def apply(self, entry: Entry, own: bool) -> None:
         """Apply one checked entry (see :func:`.entries.decode_batch`), in stream order.
@@ -108,7 +123,10 @@ class Applier:
     # ---- snapshots -------------------------------------------------------------------------
     def snapshot(self, stream: str, seq: int) -> dict[str, Any]:
         """The index as of sequence ``seq`` of ``stream`` (its identity): every entry up to it applied."""
-        return {"v": 2, "stream": stream, "seq": seq, "live": self.pilot.live_orders(), "evicted": self.tombstones()}
+        with self._lock:
+            numbers = dict(self._numbers)
+        live = self.pilot.live_orders()
+        return {"v": 2, "stream": stream, "seq": seq, "live": live, "evicted": self.tombstones(), "origins": numbers}
 
     def load(self, snapshot: object, stream: str, last_seq: int) -> int:
         """Apply a snapshot of ``stream`` (its identity) that holds ``last_seq`` messages at
@@ -139,4 +157,9 @@ class Applier:
             except (TypeError, ValueError):
                 continue
         self.remember_evicted(rid for rid in evicted if isinstance(rid, str))
+        origins = snapshot.get("origins")
+        if isinstance(origins, dict):
+            for origin, first in origins.items():
+                if isinstance(first, int) and not isinstance(first, bool):
+                    self.fresh(origin, first)
         return seq

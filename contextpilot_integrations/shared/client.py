@@ -207,6 +207,7 @@ class SharedIndex:
         self._oversize = 0
         self._rejected = 0
         self._malformed = 0
+        self._replayed = 0
         self._gaps = 0
         self._seq = 0  # last stream sequence applied
         self._stream_last = 0  # the stream's last sequence, as last seen
@@ -342,6 +343,7 @@ class SharedIndex:
             "dropped_oversize": self._oversize,
             "rejected_messages": self._rejected,
             "malformed_messages": self._malformed,
+            "replayed_messages": self._replayed,
             "stream_gaps": self._gaps,
             "skipped": self.applier.skipped,
             "lag_ms_p50": 1000 * lags[len(lags) // 2] if lags else None,
@@ -712,6 +714,8 @@ class SharedIndex:
             self._rejected += 1  # not signed with this deployment's secret: never applied
         elif batch is None:
             self._malformed += 1
+        elif not self.applier.fresh(batch.origin, batch.first):
+            self._replayed += 1
         else:
             own = batch.origin == self.origin
             now = time.time()

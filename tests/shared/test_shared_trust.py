@@ -197,3 +197,38 @@ def test_an_entry_too_large_for_the_broker_does_not_block_the_log(broker: NatsSe
         assert sender.shared.details()["dropped_oversize"] == 1
     finally:
         close(sender, other)
+
+
+def test_a_signed_message_stored_again_is_not_applied_again(broker: NatsServer) -> None:
+    """An intruder with the broker's credentials copies a worker's signed "reset" and
+    publishes it again later: no worker resets a second time."""
+    honest, other = worker(broker.url), worker(broker.url)
+    try:
+        honest.reset()
+        assert honest.shared.flush(WAIT)
+        for n in range(3):
+            honest.prepare(request(n), "q", request_id=f"after{n}")
+        assert honest.shared.flush(WAIT) and other.shared.wait_caught_up(WAIT)
+        subject = SharedOptions(url=broker.url).subject
+
+        async def replay(nc: Any, js: Any) -> int:
+            info = await js.stream_info("CONTEXTPILOT")
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                stored = await js.get_msg("CONTEXTPILOT", seq)
+                if b'["reset"' in stored.data:
+                    await js.publish(subject, stored.data)  # the same signed bytes, stored again
+                    return seq
+            return 0
+
+        assert on_broker(broker.url, replay)
+        assert other.shared.wait_caught_up(WAIT) and honest.shared.wait_caught_up(WAIT)
+        expected = [f"after{n}" for n in range(3)]
+        assert other.live_request_ids() == honest.live_request_ids() == expected, "a replayed reset was applied"
+        assert other.shared.details()["replayed_messages"] == 1
+        late = worker(broker.url)  # replays the whole stream, the copy included
+        try:
+            assert late.live_request_ids() == expected
+        finally:
+            close(late)
+    finally:
+        close(honest, other)
