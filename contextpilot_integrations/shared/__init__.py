@@ -30,7 +30,8 @@ How it keeps the indexes equal:
   wipes there what it wipes everywhere else);
 - every message and snapshot carries an HMAC under the deployment's secret
   (``SharedOptions(secret=...)`` or ``CONTEXTPILOT_SHARED_SECRET``): a client of the broker
-  without it can store messages, but no worker applies them; a message is checked whole
+  without it can store messages, but no worker applies them, nor a signed message stored
+  again (each origin's last batch is remembered); a message is checked whole
   (its size, every entry's fields) before any of it is applied;
 - a snapshot names its stream and sequence: one from a stream made again, or claiming
   entries the stream never held, is ignored;

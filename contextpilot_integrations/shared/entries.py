@@ -134,15 +134,15 @@ def _entry(item: object) -> Entry | None:
         rid, order, tokens = fields
         ok = (
             _is_id(rid)
-            and isinstance(order, list)
-            and 0 < len(order) <= MAX_BLOCKS
-            and all(_is_id(key) for key in order)
-            and isinstance(tokens, list)
+            and _ids(order)
+            and len(order) > 0
+            and type(tokens) is list
             and len(tokens) in (0, len(order))
-            and all(_is_int(count) and count >= 0 for count in tokens)
+            and set(map(type, tokens)) <= {int}  # JSON numbers: bools and floats are other types
+            and (not tokens or min(tokens) >= 0)
         )
     elif kind == "evicted" and len(fields) == 1:
-        ok = isinstance(fields[0], list) and len(fields[0]) <= MAX_BLOCKS and all(_is_id(rid) for rid in fields[0])
+        ok = _ids(fields[0])
     elif kind == "truncated" and len(fields) == 2:
         ok = _is_id(fields[0]) and _is_int(fields[1]) and fields[1] >= 0
     elif kind == "restored" and len(fields) == 2:
@@ -152,6 +152,11 @@ def _entry(item: object) -> Entry | None:
     elif kind == "stick" and len(fields) == 2:
         ok = _is_id(fields[0]) and _is_id(fields[1])
     return (kind, *fields, when) if ok else None
+
+
+def _ids(value: object) -> bool:
+    """A list of at most MAX_BLOCKS non-empty str (checked in C: this runs for every block)."""
+    return type(value) is list and len(value) <= MAX_BLOCKS and set(map(type, value)) <= {str} and "" not in value
 
 
 def _is_id(value: object) -> bool:
