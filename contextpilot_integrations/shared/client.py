@@ -222,7 +222,8 @@ class SharedIndex:
         self._start()
         self._ready.wait(5.0)
         atexit.register(self._at_exit)  # a worker that exits normally sends what it learned last
-        weakref.finalize(pilot, SharedIndex._pilot_dropped, self)
+        dropped = weakref.finalize(pilot, SharedIndex._pilot_dropped, self)
+        dropped.atexit = False  # at exit, _at_exit sends what is pending before the process goes
         _CLIENTS.add(self)
 
     def _fresh_thread(self) -> None:
@@ -263,8 +264,8 @@ class SharedIndex:
     @staticmethod
     def _pilot_dropped(client: SharedIndex) -> None:
         """The pilot was collected: stop without blocking the collector (pending entries go
-        out first, for at most a couple of seconds)."""
-        atexit.unregister(client._at_exit)
+        out first, for at most a couple of seconds; the process exiting meanwhile waits for
+        them as long)."""
         client._closed = True
         client._drain_deadline = time.monotonic() + 2.0
         client._stop()
@@ -391,8 +392,8 @@ class SharedIndex:
         pilot = self.applier._pilot()
         if pilot is not None:
             pilot.remove_observer(self._observe)
-        if self._connected and self._thread is not None and self._pid == os.getpid():
-            self.flush(timeout)
+        if (self._connected or not self._warned) and self._thread is not None and self._thread.is_alive():
+            self.flush(timeout)  # connected, or still connecting: not known to be down
         if self.unsent:
             log.warning(
                 "shared index: %d entries of %s not sent at close (the broker at %s unreachable); other workers "
@@ -495,6 +496,8 @@ class SharedIndex:
             self._connected = False
             await self._sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+        if self._drain_deadline:
+            atexit.unregister(self._at_exit)  # drained: nothing left to wait for at exit
         if self._drain_deadline and self.unsent:
             log.warning(
                 "shared index: %d entries of %s not sent (the pilot was dropped and the broker at %s did not take "

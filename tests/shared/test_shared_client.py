@@ -112,3 +112,22 @@ def test_a_dropped_pilot_closes_its_broker_client_after_sending_what_it_learned(
             assert sorted(keeper.live_request_ids()) == sorted(f"req{n}" for n in range(20))
         finally:
             keeper.shared.close()
+
+
+@needs_broker
+def test_a_worker_that_exits_right_after_a_request_still_sends_it() -> None:
+    """A process that prepares and exits before its client connected: at exit it waits
+    (bounded) for the connection and sends what it learned; nothing is dropped silently."""
+    with NatsServer() as server:
+        code = (
+            "from contextpilot_integrations import ContextPilot; "
+            f"ContextPilot(shared={server.url!r}).prepare([{{'id': 'a', 'text': 'x'}}], 'q', request_id='last')"
+        )
+        done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+        assert done.returncode == 0 and "not sent" not in done.stderr, done.stderr
+        other = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))
+        try:
+            assert other.shared.wait_caught_up(20.0)
+            assert other.live_request_ids() == ["last"], (str(other.shared.details()), done.stderr)
+        finally:
+            other.shared.close()
