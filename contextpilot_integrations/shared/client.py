@@ -745,17 +745,17 @@ def _names_credentials(error: object, options: SharedOptions) -> bool:
 
 
 _CLIENTS: weakref.WeakSet[SharedIndex] = weakref.WeakSet()
-_held: list[Any] = []
+_forking = threading.local()  # the locks the forking thread took (two threads may fork at once)
 
 
 def _before_fork() -> None:
-    for client in list(_CLIENTS):
-        _held.extend(client._hold())
+    _forking.held = [lock for client in list(_CLIENTS) for lock in client._hold()]
 
 
 def _release_held() -> None:
-    while _held:
-        _held.pop().release()
+    held = getattr(_forking, "held", [])
+    while held:
+        held.pop().release()
 
 
 def _after_fork_in_child() -> None:
