@@ -45,7 +45,8 @@ def free_port() -> int:
 
 class NatsServer:
     """One ``nats-server -js`` on 127.0.0.1, its JetStream data in ``store_dir``, clients
-    authenticated with ``user`` and ``password`` (a random one unless given).
+    authenticated with ``user`` and ``password`` (a random one unless given), over TLS when
+    given ``tls_cert`` and ``tls_key`` (PEM files; the URLs are then ``tls://``).
 
     ``stop()`` then ``start()`` is a broker restart: the same port, the same store (what
     was acknowledged is still there). ``kill`` stops it with SIGKILL (a crash).
@@ -59,6 +60,8 @@ class NatsServer:
         *,
         user: str = "contextpilot",
         password: str | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
     ) -> None:
         found = binary or find_nats_server()
         if found is None:
@@ -69,6 +72,9 @@ class NatsServer:
         self.port = port or free_port()
         self.user = user
         self.password = password if password is not None else secrets.token_hex(16)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        self.tls = (str(tls_cert), str(tls_key)) if tls_cert is not None and tls_key is not None else None
         self._own_dir = store_dir is None
         self.store_dir = Path(store_dir) if store_dir is not None else Path(tempfile.mkdtemp(prefix="cp-nats-"))
         self._process: subprocess.Popen[bytes] | None = None
@@ -76,12 +82,16 @@ class NatsServer:
     @property
     def url(self) -> str:
         """The URL clients connect with, credentials included (keep it out of logs)."""
-        return f"nats://{self.user}:{self.password}@127.0.0.1:{self.port}"
+        return f"{self._scheme}://{self.user}:{self.password}@127.0.0.1:{self.port}"
 
     @property
     def address(self) -> str:
         """The URL without credentials (what a client that has none would try)."""
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self._scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def _scheme(self) -> str:
+        return "tls" if self.tls is not None else "nats"
 
     def _config(self) -> Path:
         """The server's configuration, readable by its owner only (it holds the password)."""
@@ -92,6 +102,8 @@ class NatsServer:
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}\n"
             f"authorization {{ user: {json.dumps(self.user)}, password: {json.dumps(self.password)} }}\n"
         )
+        if self.tls is not None:  # clients must speak TLS (the server's INFO comes first, in clear)
+            text += f"tls {{ cert_file: {json.dumps(self.tls[0])}, key_file: {json.dumps(self.tls[1])} }}\n"
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "w") as file:
             file.write(text)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import ssl
+import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -232,3 +236,32 @@ def test_a_signed_message_stored_again_is_not_applied_again(broker: NatsServer) 
             close(late)
     finally:
         close(honest, other)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_the_log_over_tls_with_a_private_certificate_authority(tmp_path: Path) -> None:
+    """A broker that requires TLS: workers given the CA's certificate (``tls=``) share; a
+    client that does not verify against it gets nothing."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with NatsServer(tls_cert=cert, tls_key=key) as server:
+        assert server.url.startswith("tls://")
+        context = ssl.create_default_context(cafile=str(cert))
+        options = SharedOptions(url=server.url, tls=context, snapshot_interval=0)
+        first, second = ContextPilot(shared=options), ContextPilot(shared=options)
+        try:
+            first.prepare(request(0), "q", request_id="over-tls")
+            assert first.shared.flush(WAIT) and second.shared.wait_caught_up(WAIT)
+            assert second.live_request_ids() == ["over-tls"]
+        finally:
+            close(first, second)
+        unverified = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))  # the system's CAs
+        try:
+            assert not unverified.shared.wait_caught_up(3.0)
+            assert unverified.live_request_ids() == [] and unverified.stats().shared_connected is False
+        finally:
+            close(unverified)
