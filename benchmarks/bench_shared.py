@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
+import os
+import secrets
 import statistics
 import time
 from multiprocessing.connection import Connection
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.shared import SharedOptions
+from contextpilot_integrations.shared import SECRET_ENV, SharedOptions
 from contextpilot_integrations.shared.server import NatsServer
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
 from contextpilot_integrations.whatif.trace import TraceRequest
@@ -124,8 +126,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds each rate runs (3)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating off/on rounds for prepare (4)")
     args = parser.parse_args()
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))  # entries signed, as in production; workers inherit it
     with NatsServer() as server:
-        print(f"nats-server on {server.url} (JetStream, file storage)\n")
+        print(f"nats-server on {server.address} (JetStream, file storage, user and password)\n")
         print("1. propagation lag (publish in one worker process -> applied in another)")
         print(
             f"{'entries/s':>10} {'gc':>8} {'sent':>8} {'applied':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"

@@ -31,6 +31,10 @@ class DuplicateRequestError(ContextPilotError, ValueError):
     """A request id is already live in the index."""
 
 
+class SharedSettingsError(ContextPilotError, ValueError):
+    """The settings of a shared index cannot work: a malformed broker URL, no secret."""
+
+
 class EngineError(ContextPilotError):
     """The engine did not serve the request; the message names the server."""
 

@@ -7,7 +7,19 @@ from collections.abc import Iterable, Mapping
 
 from .errors import BlockTypeError
 
-__all__ = ["check_conversation_id", "check_count", "check_kept_turns", "check_query", "check_request_id"]
+__all__ = [
+    "MAX_BLOCKS",
+    "check_conversation_id",
+    "check_count",
+    "check_kept_turns",
+    "check_query",
+    "check_request_id",
+]
+
+MAX_BLOCKS = 262_144
+"""Blocks one request, one batch of engine events or one shared-log message may name: the
+HTTP event listener and the shared log refuse more (a bound on what others can make a
+worker hold and compute)."""
 
 
 def check_query(query: object) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..pilot import ContextPilot
+from ..validation import MAX_BLOCKS
 from .kv_mapping import EngineBlockMap
 from .sink import KvEventSink
 from .wire import KvEventBatch
@@ -385,7 +386,7 @@ class EvictionListener:
         *,
         token: str | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
-        max_batch_blocks: int = 262_144,
+        max_batch_blocks: int = MAX_BLOCKS,
         max_connections: int = 256,
         idle_timeout: float = 30.0,
         header_timeout: float = 5.0,

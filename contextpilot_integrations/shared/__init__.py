@@ -25,11 +25,25 @@ How it keeps the indexes equal:
   are remembered (bounded) so a "sent" that reaches the stream after its eviction is ignored;
 - a worker starting (or restarting) late loads the newest snapshot of its scope from the
   object store and replays the stream after it; every worker writes one now and then;
-- a worker's own entries are already applied locally; only its "sent" entries are applied
-  again from the stream (a no-op unless a reset that came first wiped them);
+- a worker applies its own entries at once, and again where the stream placed them (every
+  worker applies the same entries in the same order, so a reset it learned while cut off
+  wipes there what it wipes everywhere else);
+- every message and snapshot carries an HMAC under the deployment's secret
+  (``SharedOptions(secret=...)`` or ``CONTEXTPILOT_SHARED_SECRET``): a client of the broker
+  without it can store messages, but no worker applies them, nor a signed message stored
+  again (each origin's last batch is remembered); a message is checked whole
+  (its size, every entry's fields) before any of it is applied;
+- a snapshot names its stream and sequence: one from a stream made again, or claiming
+  entries the stream never held, is ignored;
 - the broker unreachable: the worker keeps working on its own view, its stats say
   ``shared_connected=False``, one warning is logged, its entries wait (bounded) and go out
   when the broker is back, and the stream is followed from where it was left.
+
+Deployment: run the broker with authentication (user and password, token, nkey or a
+``.creds`` file: :class:`SharedOptions` takes each) and TLS (``tls://`` URLs, ``tls=`` an
+``ssl.SSLContext``) where the network is not private; the local :class:`.server.NatsServer`
+starts with a user and a random password. After a fork (``gunicorn --preload``) the child
+starts a client of its own.
 
 Install: ``pip install 'contextpilot-integrations[shared]'``.
 """
@@ -38,12 +52,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .client import SharedIndex, SharedOptions
+from ..errors import SharedSettingsError
+from .client import SECRET_ENV, SharedIndex, SharedOptions
 
 if TYPE_CHECKING:
     from ..pilot import ContextPilot
 
-__all__ = ["SharedIndex", "SharedOptions", "attach"]
+__all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "SharedSettingsError", "attach"]
 
 
 def attach(pilot: ContextPilot, shared: Any) -> SharedIndex:

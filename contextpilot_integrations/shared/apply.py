@@ -1,22 +1,29 @@
 """Applying shared-log entries and snapshots to one worker's index, idempotently.
 
-Every worker applies every entry in the stream's order, so all indexes converge to the
-same state. Applying an entry twice changes nothing: a request already live is not
-indexed again, an eviction of an unknown request is a no-op. Entries of other workers may
-arrive out of causal order (worker B reports the eviction of A's request before A's
-"sent" reaches the stream): an evicted id is remembered (bounded), and a "sent" for it
-later is ignored. A worker's own entries were applied when it learned them; of those it
-applies only "sent" again (after an engine reset another worker reported, which came
-first in the stream, so that it ends where every other worker ends).
+Every worker applies every entry in the stream's order, its own included, so all indexes
+converge to the same state. A worker applies its own entries when it learns them (so
+``prepare`` sees them at once) and again where the stream placed them: a reset it learned
+while cut off from the broker lands after entries other workers stored meanwhile, and it
+must wipe those here as it does everywhere else. Applying an entry twice changes nothing: a
+request already live is not indexed again, an eviction of an unknown request is a no-op.
+Entries of other workers may arrive out of causal order (worker B reports the eviction of
+A's request before A's "sent" reaches the stream): an evicted id is remembered (bounded),
+and a "sent" for it later is ignored.
+
+A snapshot names the stream it was taken from (its creation time) and the sequence it
+covers; one taken from another stream (deleted and made again) or claiming a sequence the
+stream does not hold is ignored.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from ..validation import MAX_BLOCKS
 from .entries import Entry
 
 if TYPE_CHECKING:
@@ -28,16 +35,25 @@ __all__ = ["Applier"]
 class Applier:
     """Applies entries to one pilot and keeps the bounded set of evicted ids."""
 
-    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000) -> None:
-        self.pilot = pilot
+    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000, max_origins: int = 100_000) -> None:
+        self._pilot = weakref.ref(pilot)  # the pilot owns its client, not the reverse: dropped, it is collected
         self.max_tombstones = max_tombstones
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self.max_origins = max_origins
+        self._numbers: OrderedDict[str, int] = OrderedDict()  # origin -> its last batch applied
         self._lock = threading.Lock()
         self.applied = 0
         self.skipped = 0
         self.handlers: dict[str, Callable[..., None]] = {}
         """Entries that are not about the index (a router's ``stick``): kind -> handler,
         called with the entry's fields (its time left off), for other workers' entries."""
+
+    @property
+    def pilot(self) -> ContextPilot:
+        pilot = self._pilot()
+        if pilot is None:
+            raise ReferenceError("the pilot was dropped")
+        return pilot
 
     def remember_evicted(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -59,50 +75,91 @@ class Applier:
         with self._lock:
             return list(self._tombstones)
 
+    def fresh(self, origin: str, first: int) -> bool:
+        """Whether a batch comes after everything of its origin applied so far: a signed
+        message stored again (a replay by a client of the broker, a publish retried after the
+        de-duplication window) is not applied twice."""
+        with self._lock:
+            if first <= self._numbers.get(origin, -1):
+                return False
+            self._numbers[origin] = first
+            self._numbers.move_to_end(origin)
+            while len(self._numbers) > self.max_origins:
+                self._numbers.popitem(last=False)
+            return True
+
     def apply(self, entry: Entry, own: bool) -> None:
-        """Apply one entry (``own``: this worker published it). Bad entries are skipped."""
-        kind = entry[0]
+        """Apply one checked entry (see :func:`.entries.decode_batch`), in stream order.
+        ``own``: this worker published it (a router's own "stick" is already recorded)."""
+        kind, pilot = entry[0], self.pilot
         try:
             if kind == "sent":
-                _, rid, order, _tokens, _ = entry
-                if self.is_evicted(rid) or not self.pilot.record_sent(rid, order):
+                _, rid, order, tokens, _ = entry
+                limit = pilot.cache_tokens
+                if (
+                    (limit is not None and sum(tokens) > limit)  # larger than this engine's cache: never indexed
+                    or self.is_evicted(rid)
+                    or not pilot.record_sent(rid, order)
+                ):
                     self.skipped += 1
                     return
-            elif own:
-                self.skipped += 1
-                return
             elif kind == "evicted":
-                rids = [rid for rid in entry[1] if isinstance(rid, str)]
-                self.remember_evicted(rids)
-                self.pilot.evict(rids)
+                self.remember_evicted(entry[1])
+                pilot.evict(entry[1])
             elif kind == "truncated":
-                self.pilot.truncate(entry[1], entry[2])
+                pilot.truncate(entry[1], entry[2])
             elif kind == "restored":
-                if self.pilot.restore(entry[1], entry[2]) and entry[1] in self.pilot.live_request_ids():
+                if pilot.restore(entry[1], entry[2]) and entry[1] in pilot.live_request_ids():
                     self.forget_evicted(entry[1])  # back in the engine: a later "sent" replay may index it
             elif kind == "reset":
-                self.pilot.reset()
-            elif kind in self.handlers:
+                pilot.reset()
+            elif kind in self.handlers and not own:
                 self.handlers[kind](*entry[1:-1])
         except (TypeError, ValueError):
-            self.skipped += 1  # a malformed entry from another worker never stops this one
+            self.skipped += 1  # what the pilot refuses (a request over its bounds) never stops this worker
             return
         self.applied += 1
 
     # ---- snapshots -------------------------------------------------------------------------
-    def snapshot(self, seq: int) -> dict[str, Any]:
-        """The index as of stream sequence ``seq`` (every entry up to it applied)."""
-        return {"v": 1, "seq": seq, "live": self.pilot.live_orders(), "evicted": self.tombstones()}
+    def snapshot(self, stream: str, seq: int) -> dict[str, Any]:
+        """The index as of sequence ``seq`` of ``stream`` (its identity): every entry up to it applied."""
+        with self._lock:
+            numbers = dict(self._numbers)
+        live = self.pilot.live_orders()
+        return {"v": 2, "stream": stream, "seq": seq, "live": live, "evicted": self.tombstones(), "origins": numbers}
 
-    def load(self, snapshot: dict[str, Any]) -> int:
-        """Apply a snapshot; returns its sequence (0 when it is not one this version reads)."""
-        if not isinstance(snapshot, dict) or snapshot.get("v") != 1 or not isinstance(snapshot.get("seq"), int):
+    def load(self, snapshot: object, stream: str, last_seq: int) -> int:
+        """Apply a snapshot of ``stream`` (its identity) that holds ``last_seq`` messages at
+        most; returns its sequence, 0 when it is not one to use (nothing applied then)."""
+        if not isinstance(snapshot, dict) or snapshot.get("v") != 2 or snapshot.get("stream") != stream:
             return 0
-        for item in snapshot.get("live", ()):  # first: a request restored after an eviction is live
+        seq, live, evicted = snapshot.get("seq"), snapshot.get("live"), snapshot.get("evicted")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq <= last_seq:
+            return 0  # a sequence the stream never reached: not this stream's
+        if not isinstance(live, (list, tuple)) or not isinstance(evicted, (list, tuple)):
+            return 0
+        checked = []
+        for item in live:
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
+                return 0
+            rid, order = item
+            if not (
+                isinstance(order, (list, tuple))
+                and 0 < len(order) <= MAX_BLOCKS
+                and all(isinstance(k, str) for k in order)
+            ):
+                return 0
+            checked.append((rid, order))
+        pilot = self.pilot
+        for rid, order in checked:  # first: a request restored after an eviction is live
             try:
-                rid, order = item
-                self.pilot.record_sent(rid, order)
+                pilot.record_sent(rid, order)
             except (TypeError, ValueError):
                 continue
-        self.remember_evicted(rid for rid in snapshot.get("evicted", ()) if isinstance(rid, str))
-        return int(snapshot["seq"])
+        self.remember_evicted(rid for rid in evicted if isinstance(rid, str))
+        origins = snapshot.get("origins")
+        if isinstance(origins, dict):
+            for origin, first in origins.items():
+                if isinstance(first, int) and not isinstance(first, bool):
+                    self.fresh(origin, first)
+        return seq

@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound
+from contextpilot_integrations.implicit import own_pilot
 
 from ._binding import deposit
 from ._documents import CONVERSATION_KEYS, EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
@@ -35,7 +36,7 @@ class ContextPilotCompressor(BaseDocumentCompressor):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    pilot: Any = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotCompressor"))
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     conversation_id: str | None = None
     """A fixed conversation; otherwise it is read from the run's metadata/config."""
@@ -114,6 +115,8 @@ def contextpilot_reorder(
 ) -> RunnableLambda[Any, list[Document]]:
     """The LCEL step ``retriever | contextpilot_reorder(pilot)``: documents in send order."""
     compressor = ContextPilotCompressor(
-        pilot=pilot or ContextPilot(), conversation_id=conversation_id, deduplicate=deduplicate
+        pilot=pilot if pilot is not None else own_pilot("contextpilot_reorder"),
+        conversation_id=conversation_id,
+        deduplicate=deduplicate,
     )
     return compressor.as_runnable()

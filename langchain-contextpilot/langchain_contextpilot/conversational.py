@@ -16,8 +16,9 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from contextpilot_integrations import BlockTypeError, ContextPilot, PreparedRequest
+from contextpilot_integrations import BlockTypeError, PreparedRequest
 from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound, resolve_references
+from contextpilot_integrations.implicit import own_pilot
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks
@@ -56,7 +57,7 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
 
     retriever: RetrieverLike
     llm: Any
-    pilot: Any = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=lambda: own_pilot("ConversationalRAG"))
     system_prompt: str = "Answer the question using the context documents."
     max_turns: int = Field(default=8, ge=0)
     max_conversations: int = Field(default=10_000, ge=1)

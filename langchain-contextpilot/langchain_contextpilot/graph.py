@@ -31,8 +31,9 @@ from langchain_core.retrievers import RetrieverLike
 from langchain_core.runnables import RunnableConfig, ensure_config
 from pydantic import BaseModel, ConfigDict, Field
 
-from contextpilot_integrations import BlockTypeError, ContextPilot
+from contextpilot_integrations import BlockTypeError
 from contextpilot_integrations.binding import Binding, aprepare_bound, prepare_bound
+from contextpilot_integrations.implicit import own_pilot
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks
@@ -50,7 +51,7 @@ class ContextPilotRetrieveNode(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     retriever: RetrieverLike
-    pilot: Any = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotRetrieveNode"))
     """A :class:`ContextPilot`, a router or a ``MicroBatcher``."""
     messages_key: str = "messages"
 

@@ -31,12 +31,12 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolM
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
-from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
 from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.hosted_keys import ConversationKeys
 from contextpilot_integrations.hosted_plans import callers_cache_key, conversation_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
+from contextpilot_integrations.implicit import own_pilot
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, to_blocks
@@ -86,7 +86,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         super().__init__()
         if provider not in (None, "auto", *cache_markers.PROVIDERS):
             raise ValueError(f"provider must be one of {[*cache_markers.PROVIDERS, 'auto']} or None, got {provider!r}")
-        self.pilot = pilot if pilot is not None else ContextPilot()
+        self.pilot = pilot if pilot is not None else own_pilot("ContextPilotMiddleware")
         self.provider = provider
         self.document_tools = frozenset(document_tools) if document_tools is not None else None
         self.usage_feedback = usage_feedback

@@ -15,8 +15,8 @@ from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field
 
-from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.binding import aprepare_bound, prepare_bound
+from contextpilot_integrations.implicit import own_pilot
 
 from ._binding import deposit
 from ._documents import EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
@@ -43,7 +43,7 @@ class ContextPilotRetriever(BaseRetriever):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     base_retriever: RetrieverLike
-    pilot: Any = Field(default_factory=ContextPilot)
+    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotRetriever"))
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     k: int | None = None
     """Keep at most this many of the base retriever's documents (``None``: all)."""

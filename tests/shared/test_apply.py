@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.shared.apply import Applier
-from contextpilot_integrations.shared.entries import Batch, decode_batch, encode_batch
+from contextpilot_integrations.shared.entries import Batch, decode_batch, encode_batch, seal, unseal
+from contextpilot_integrations.validation import MAX_BLOCKS
 
 IDS = [f"r{n}" for n in range(6)]
 BLOCKS = [f"b{n}" for n in range(8)]
@@ -84,7 +87,8 @@ def test_a_snapshot_plus_nothing_equals_the_log(sequence: list[tuple[object, ...
     for entry in sequence:
         applier.apply(entry, own=False)
     restored = ContextPilot()
-    Applier(restored).load(applier.snapshot(seq=len(sequence)))
+    seq = Applier(restored).load(applier.snapshot("stream-1", seq=len(sequence) + 1), "stream-1", len(sequence) + 1)
+    assert seq == len(sequence) + 1
     assert dict(restored.live_orders()) == dict(pilot.live_orders())
 
 
@@ -149,3 +153,49 @@ def test_a_block_another_worker_sent_plain_counts_as_recurring() -> None:
     reordered = [docs[2], docs[1], docs[0]]  # d0 and d1 recur, d2 too now: the same send either way
     mine, theirs = alone.prepare(reordered, "q3"), other.prepare(reordered, "q3")
     assert (mine.labels, [b.id for b in mine.blocks]) == (theirs.labels, [b.id for b in theirs.blocks])
+
+
+def entry_batch(*entries: list[object]) -> bytes:
+    return json.dumps({"v": 1, "o": "w", "n": 0, "e": list(entries)}).encode()
+
+
+def test_a_batch_is_checked_whole_before_any_entry_is_applied() -> None:
+    good = ["sent", "r1", ["a"], [1], 1.0]
+    bad = [
+        ["sent", "r2", ["b"], [1], 10**400],  # a time no float holds (OverflowError once applied)
+        ["sent", "r2", ["b"], [1], "1.0"],
+        ["evicted", "abc", 1.0],  # a str is not a list of ids ("a", "b", "c")
+        ["evicted", ["r1", 7], 1.0],
+        ["truncated", "r1", True, 1.0],
+        ["restored", "r1", -1, 1.0],
+        ["sent", "r2", ["b", "c"], [1], 1.0],  # token counts that are not one per block
+        ["sent", "r2", ["b"], [-1], 1.0],
+        ["sent", "r2", ["b", 3], [1, 1], 1.0],
+        ["sent", "r2", [f"k{n}" for n in range(MAX_BLOCKS + 1)], [], 1.0],
+        ["reset", "extra", 1.0],
+        ["stick", "c", 5, 1.0],
+    ]
+    for entry in bad:
+        assert decode_batch(entry_batch(good, entry)) is None, entry
+    half = [f"k{n}" for n in range(MAX_BLOCKS // 2 + 1)]
+    assert decode_batch(entry_batch(["sent", "x", half, [], 1.0], ["sent", "y", half, [], 1.0])) is None
+    batch = decode_batch(entry_batch(good, ["evicted", ["r1"], 2]))
+    assert batch is not None and batch.entries == [("sent", "r1", ["a"], [1], 1.0), ("evicted", ["r1"], 2.0)]
+
+
+def test_token_counts_are_honoured_a_request_over_the_cache_is_not_indexed() -> None:
+    pilot = ContextPilot(cache_tokens=1_000)
+    applier = Applier(pilot)
+    applier.apply(("sent", "big", ["a", "b"], [800, 800], 0.0), own=False)  # as prepare would not index it
+    applier.apply(("sent", "small", ["a"], [800], 0.0), own=False)
+    assert pilot.live_request_ids() == ["small"]
+
+
+def test_a_message_is_applied_only_under_the_deployment_secret() -> None:
+    body = encode_batch(Batch("x", 0, [("reset", 1.0)]))
+    sealed = seal(b"secret", "subject.a", body)
+    assert unseal(b"secret", "subject.a", sealed) == body
+    assert unseal(b"other", "subject.a", sealed) is None
+    assert unseal(b"secret", "subject.b", sealed) is None  # another scope's message, replayed here
+    assert unseal(b"secret", "subject.a", sealed[:-1] + b"x") is None
+    assert unseal(b"secret", "subject.a", body) is None

