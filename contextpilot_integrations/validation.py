@@ -7,7 +7,19 @@ from collections.abc import Iterable, Mapping
 
 from .errors import BlockTypeError
 
-__all__ = ["check_conversation_id", "check_count", "check_kept_turns", "check_query", "check_request_id"]
+__all__ = [
+    "MAX_BLOCKS",
+    "check_conversation_id",
+    "check_count",
+    "check_kept_turns",
+    "check_query",
+    "check_request_id",
+]
+
+MAX_BLOCKS = 262_144
+"""The most blocks one message from outside may name: a request's block ids (a trace line,
+a shared-log entry) or an engine's KV-event batch (HTTP listener, ZMQ subscriber). Larger
+ones are refused before anything is applied; no real prompt or engine step comes near it."""
 
 
 def check_query(query: object) -> None:

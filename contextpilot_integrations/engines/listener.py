@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..pilot import ContextPilot
+from ..validation import MAX_BLOCKS
 from .kv_mapping import EngineBlockMap
 from .sink import KvEventSink
 from .wire import KvEventBatch
@@ -367,7 +368,8 @@ class EvictionListener:
         token: shared secret expected in the ``X-ContextPilot-Token`` header (or as a
             bearer token); must not be empty.
         max_body_bytes: larger requests are refused with 413.
-        max_batch_blocks: event batches naming more blocks are refused with 413.
+        max_batch_blocks: event batches naming more blocks are refused with 413
+            (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, as everywhere).
         max_connections: open connections at most; at the bound the longest-idle one is
             closed for a new client, and new clients get 503 when none is idle.
         idle_timeout: seconds a connection may wait for a request, or between its bytes.
@@ -385,7 +387,7 @@ class EvictionListener:
         *,
         token: str | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
-        max_batch_blocks: int = 262_144,
+        max_batch_blocks: int = MAX_BLOCKS,
         max_connections: int = 256,
         idle_timeout: float = 30.0,
         header_timeout: float = 5.0,
