@@ -67,7 +67,7 @@ class _Dripping(BaseHTTPRequestHandler):
             elif path == "/cached-only":
                 self._json(200, {"choices": [{"message": {"content": "ok"}}],
                                  "usage": {"prompt_tokens_details": {"cached_tokens": 10_000_000}}})  # fmt: skip
-            else:  # "/slow-tokenize": a good answer, then the tokenizer drips
+            else:  # "/good", "/slow-tokenize": a good answer (then the tokenizer drips)
                 self._json(200, ANSWER)
         except OSError:
             pass  # the client gave up: what we want
@@ -231,10 +231,12 @@ def test_one_huge_stream_line_is_refused_in_linear_time(engine: str, use_async: 
 
 def test_cached_tokens_without_prompt_tokens_are_not_counted(engine: str, caplog: pytest.LogCaptureFixture) -> None:
     pilot = ContextPilot()
+    with OpenAICompatClient(engine + "/good", pilot) as good:  # 10 prompt tokens, none cached
+        good.chat(pilot.prepare(DOCS, "q"), stream=False)
     with OpenAICompatClient(engine + "/cached-only", pilot) as client, caplog.at_level(logging.WARNING):
         served = client.chat(pilot.prepare(DOCS, "q"), stream=False)
     assert served.text == "ok"  # the answer is fine; its accounting is not
     stats = pilot.stats()
-    assert 0.0 <= stats.engine_hit_ratio <= 1.0
-    assert stats.engine_cached_tokens == 0
+    assert 0.0 <= stats.engine_hit_ratio <= 1.0, stats.engine_hit_ratio  # it was 1,000,000
+    assert (stats.engine_prompt_tokens, stats.engine_cached_tokens) == (10, 0)
     assert "without prompt_tokens" in caplog.text
