@@ -364,7 +364,10 @@ class OpenAICompatClient:
         api_key: sent as a bearer token when given.
         timeout: seconds to connect, and at most between two chunks of the answer.
         deadline: seconds a whole call may take (``None``: no limit beyond ``timeout``
-            per chunk); a server that drips bytes cannot hold a call longer.
+            per chunk): connecting, the answer (headers, body, or an error page) and the
+            ``/tokenize`` after it (whose block ends are then unknown); a server that drips
+            bytes cannot hold a call longer. Within an outer
+            :func:`~.deadline.deadline` (a routed call's), whichever ends first.
         max_response_bytes: larger answers are refused (error bodies are read up to
             64 KiB for the message).
         engine: ``"sglang"``, ``"vllm"``, ``"llamacpp"`` or ``"openai"``: which body

@@ -136,12 +136,14 @@ class _Backend(httpcore.NetworkBackend):
 
 def deadline_transport() -> httpx.HTTPTransport:
     """httpx's default transport (TLS verified, the same pool limits), its sockets bounded
-    by :func:`deadline`."""
-    transport = httpx.HTTPTransport()
+    by :func:`deadline`. A client given it reads no proxy from the environment (engines
+    are reached directly)."""
+    ssl_context = httpx.create_ssl_context()
+    transport = httpx.HTTPTransport(verify=ssl_context)
     limits = httpx.Limits()
     # the one place httpx lets a network backend in: the httpcore pool it wraps
     transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(),
+        ssl_context=ssl_context,
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,

@@ -713,7 +713,8 @@ class RoutingClient:
     Args:
         router: the routing state.
         model, timeout, deadline, api_key: for every target's
-            :class:`~.client.OpenAICompatClient`.
+            :class:`~.client.OpenAICompatClient`; ``deadline`` bounds a whole call, every
+            failover included.
         sinks: per target name, the event sink (``listener.sink``) of that engine, if any;
             targets without one get usage feedback from their cached-token reports.
     """
