@@ -210,8 +210,10 @@ class _State:
         return not self.tripped or (now >= self.down_until and not self.probing)
 
     def trip(self, until: float) -> None:
+        """Open the breaker until ``until`` (counted once: not again for a send that was
+        already in flight when it opened)."""
+        self.opened += not self.tripped or self.probing
         self.tripped, self.probing, self.down_until = True, False, until
-        self.opened += 1
 
 
 class _SharedConversations(ConversationStore):
@@ -409,7 +411,7 @@ class Router:
             state.timeouts += outcome == "timeout"
             state.unreachable += outcome == "unreachable"
             state.consecutive += 1
-            if state.probing or state.consecutive >= self.breaker_failures:
+            if state.probing or (not state.tripped and state.consecutive >= self.breaker_failures):
                 state.trip(time.monotonic() + self.down_seconds)  # slow, not gone: prediction kept
 
     def mark_down(self, target: Target) -> None:
