@@ -34,7 +34,8 @@ def _shown(value: int) -> str:
 
 def check_usage(prompt_tokens: object, cached_tokens: object) -> None:
     """An engine's report for one prompt: each count ``None`` or a token count, and the
-    cached tokens at most the prompt tokens.
+    cached tokens at most the prompt tokens (and given only with them), so every hit ratio
+    stays within [0, 1].
 
     Raises:
         TypeError, ValueError: naming the bad count.
@@ -43,5 +44,7 @@ def check_usage(prompt_tokens: object, cached_tokens: object) -> None:
         check_token_count("prompt_tokens", prompt_tokens)
     if cached_tokens is not None:
         check_token_count("cached_tokens", cached_tokens)
+    if cached_tokens is not None and prompt_tokens is None:  # a share of nothing: no ratio holds it
+        raise ValueError(f"cached_tokens ({cached_tokens:,}) without prompt_tokens")
     if prompt_tokens is not None and cached_tokens is not None and cached_tokens > prompt_tokens:  # type: ignore[operator]
         raise ValueError(f"cached_tokens ({cached_tokens:,}) exceed prompt_tokens ({prompt_tokens:,})")

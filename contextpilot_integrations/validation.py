@@ -17,9 +17,9 @@ __all__ = [
 ]
 
 MAX_BLOCKS = 262_144
-"""Blocks one request, one batch of engine events or one shared-log message may name: the
-HTTP event listener and the shared log refuse more (a bound on what others can make a
-worker hold and compute)."""
+"""The most blocks one message from outside may name: a request's block ids (a trace line,
+a shared-log entry or message) or an engine's KV-event batch (HTTP listener, ZMQ subscriber).
+Larger ones are refused before anything is applied; no real prompt or engine step comes near it."""
 
 
 def check_query(query: object) -> None:

@@ -13,7 +13,7 @@ from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavaila
 from .client import ChatResult, OpenAICompatClient, redact_url
 from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
-from .router import CacheAwarePolicy, Routed, RoutedResult, Router, RoutingClient, Target
+from .router import CacheAwarePolicy, Routed, RoutedResult, Router, RoutingClient, Target, TargetStats
 from .sink import KvEventSink, SinkStats
 from .wire import ENGINES, REQUEST_ID_FIELDS, KvEventBatch
 from .zmq_subscriber import SubscriberStats, ZmqEventSubscriber, subscribe_ranks
@@ -39,6 +39,7 @@ __all__ = [
     "SinkStats",
     "SubscriberStats",
     "Target",
+    "TargetStats",
     "ZmqEventSubscriber",
     "redact_url",
     "subscribe_ranks",

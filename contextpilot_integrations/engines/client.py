@@ -35,6 +35,7 @@ from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavaila
 from ..pilot import ContextPilot
 from ..prepared import PreparedRequest
 from . import wire
+from .deadline import deadline, deadline_transport, time_left
 from .feedback import estimate_prompt_tokens, report_failed, report_served
 from .kv_mapping import block_token_ends
 
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 _CREDENTIALS = re.compile(r"(//)[^/@\s]+@")  # user:password@ in a URL
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""A longer stream line is refused (SGLang's or vLLM's prompt token ids of a million-token
+prompt take about 8 MB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +104,11 @@ def redact_url(url: str) -> str:
 
 
 class _Reader:
-    """Reads one answer, streamed or whole, within a byte budget and a deadline."""
+    """Reads one answer, streamed or whole, within a byte budget and a deadline.
+
+    Bytes are kept in a ``bytearray`` and a stream is split into lines as they arrive,
+    each chunk searched once: reading is linear in the answer's size. A stream line over
+    :data:`MAX_LINE_BYTES` is refused."""
 
     def __init__(self, where: str, stream: bool, deadline: float | None, max_bytes: int) -> None:
         self.where = where
@@ -107,7 +116,7 @@ class _Reader:
         self.deadline = deadline
         self.max_bytes = max_bytes
         self.received = 0
-        self.buffer = b""
+        self.buffer = bytearray()
         self.text: list[str] = []
         self.usage: dict[str, Any] = {}
         self.first: float | None = None
@@ -120,16 +129,22 @@ class _Reader:
         self.received += len(chunk)
         if self.received > self.max_bytes:
             raise EngineError(f"{self.where} answered more than {self.max_bytes} bytes")
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        if self.deadline is not None and time.monotonic() > self.deadline:
             raise EngineTimeout(f"{self.where} timed out: no complete answer within the deadline")
-        self.buffer += chunk
         if not self.stream:
+            self.buffer += chunk
             return False
-        *lines, self.buffer = self.buffer.split(b"\n")
-        for line in lines:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self.buffer += chunk[start:end]
+            line, self.buffer = self.buffer, bytearray()
+            start = end + 1
             if self._line(line.decode("utf-8", errors="replace").strip()):
                 self.done = True
                 return True
+        self.buffer += chunk[start:]
+        if len(self.buffer) > MAX_LINE_BYTES:
+            raise EngineError(f"{self.where} sent a stream line longer than {MAX_LINE_BYTES:,} bytes")
         return False
 
     def _line(self, line: str) -> bool:
@@ -140,7 +155,7 @@ class _Reader:
             return True
         try:
             event = json.loads(data)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # a number of 4,300+ digits is a ValueError
             raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}") from None
         if not isinstance(event, dict):
             raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}")
@@ -172,8 +187,8 @@ class _Reader:
             return _Parsed("".join(self.text), self.usage, self.first, self.input_ids, self.answer_id)
         try:
             payload = json.loads(self.buffer)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EngineError(f"{self.where} answered with malformed JSON: {self.buffer[:100]!r}") from None
+        except (ValueError, RecursionError):  # also a number of 4,300+ digits, or too deep
+            raise EngineError(f"{self.where} answered with malformed JSON: {bytes(self.buffer[:100])!r}") from None
         if not isinstance(payload, dict):
             raise EngineError(f"{self.where} answered {type(payload).__name__} instead of a JSON object")
         message = wire.answer_error(payload)
@@ -248,10 +263,11 @@ class BlockTokenizer:
             missing = self._missing(texts)
             if missing and http is None:
                 http = self._own_client()
-            for batch in self._batches(missing):
-                assert http is not None
-                response = http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
-                self._store(batch, response)
+            with deadline(self.timeout):  # within the caller's deadline, if it ends sooner
+                for batch in self._batches(missing):
+                    assert http is not None
+                    response = http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
+                    self._store(batch, response)
         except (httpx.HTTPError, ValueError):
             return None
         return self._ends(texts, prompt_ids)
@@ -266,7 +282,7 @@ class BlockTokenizer:
     def _own_client(self) -> httpx.Client:
         with self._lock:
             if self._http is None:
-                self._http = httpx.Client(timeout=self.timeout)
+                self._http = httpx.Client(timeout=self.timeout, transport=deadline_transport())
                 # a chat model that owns this tokenizer has no close(): the client goes with it
                 weakref.finalize(self, self._http.close)
             return self._http
@@ -277,14 +293,20 @@ class BlockTokenizer:
         texts = _block_texts(prepared)
         if not texts or self.engine not in ("sglang", "vllm"):
             return None
+        left = time_left()
         try:
             missing = self._missing(texts)
-            for batch in self._batches(missing):
-                response = await http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
-                self._store(batch, response)
-        except (httpx.HTTPError, ValueError):
+            await asyncio.wait_for(
+                self._afetch(missing, http), self.timeout if left is None else min(left, self.timeout)
+            )
+        except (httpx.HTTPError, ValueError, asyncio.TimeoutError):  # out of time: block ends unknown
             return None
         return self._ends(texts, prompt_ids)
+
+    async def _afetch(self, missing: list[str], http: httpx.AsyncClient) -> None:
+        for batch in self._batches(missing):
+            response = await http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
+            self._store(batch, response)
 
     def _missing(self, texts: list[str]) -> list[str]:
         with self._lock:
@@ -342,7 +364,10 @@ class OpenAICompatClient:
         api_key: sent as a bearer token when given.
         timeout: seconds to connect, and at most between two chunks of the answer.
         deadline: seconds a whole call may take (``None``: no limit beyond ``timeout``
-            per chunk); a server that drips bytes cannot hold a call longer.
+            per chunk): connecting, the answer (headers, body, or an error page) and the
+            ``/tokenize`` after it (whose block ends are then unknown); a server that drips
+            bytes cannot hold a call longer. Within an outer
+            :func:`~.deadline.deadline` (a routed call's), whichever ends first.
         max_response_bytes: larger answers are refused (error bodies are read up to
             64 KiB for the message).
         engine: ``"sglang"``, ``"vllm"``, ``"llamacpp"`` or ``"openai"``: which body
@@ -406,7 +431,7 @@ class OpenAICompatClient:
         self.usage_feedback = self.tracker is None if usage_feedback is None else usage_feedback
         # one pooled connection for sync calls (thread-safe); async calls open their own,
         # since an async client belongs to one event loop
-        self._http = httpx.Client(timeout=self._timeout(), headers=self._headers)
+        self._http = httpx.Client(timeout=self._timeout(), headers=self._headers, transport=deadline_transport())
 
     def close(self) -> None:
         """Close the pooled connection."""
@@ -458,13 +483,13 @@ class OpenAICompatClient:
         """
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
-        reader = self._reader(stream, start)
         before = _before_tokens(system_prompt, history)
         try:
-            parsed = self._exchange(body, reader)
-            ends = None
-            if parsed.input_ids and self.tracker is not None:
-                ends = self.block_tokenizer.block_ends(prepared, parsed.input_ids, self._http)
+            with deadline(self.deadline) as end:  # the answer and /tokenize after it
+                parsed = self._exchange(body, self._reader(stream, end))
+                ends = None
+                if parsed.input_ids and self.tracker is not None:
+                    ends = self.block_tokenizer.block_ends(prepared, parsed.input_ids, self._http)
             return self._finish(prepared, start, parsed, before, ends)
         except httpx.TransportError as exc:
             self._forget(prepared)
@@ -493,7 +518,8 @@ class OpenAICompatClient:
         body.update(params)
         start = time.perf_counter()
         try:
-            parsed = self._exchange(body, self._reader(stream, start))
+            with deadline(self.deadline) as end:
+                parsed = self._exchange(body, self._reader(stream, end))
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from exc
         usage = parsed.usage
@@ -512,7 +538,7 @@ class OpenAICompatClient:
         )
 
     def _exchange(self, body: dict[str, Any], reader: _Reader) -> _Parsed:
-        with self._http.stream("POST", self.endpoint, json=body) as response:
+        with self._http.stream("POST", self.endpoint, json=body, timeout=self._timeout(time_left())) as response:
             if response.status_code >= 400:
                 raise self._http_error(response.status_code, _limited(response.iter_bytes()))
             for chunk in response.iter_bytes():
@@ -532,19 +558,17 @@ class OpenAICompatClient:
         """Async variant of :meth:`chat`; cancelling it forgets the request too."""
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
         start = time.perf_counter()
-        reader = self._reader(stream, start)
         before = _before_tokens(system_prompt, history)
         try:
-            exchange = self._aexchange(body, reader)
-            if self.deadline is not None:
-                await asyncio.wait_for(exchange, self.deadline)
-            else:
-                await exchange
-            parsed = reader.result()
-            ends = None
-            if parsed.input_ids and self.tracker is not None:
-                async with httpx.AsyncClient(timeout=self._timeout(), headers=self._headers) as http:
-                    ends = await self.block_tokenizer.ablock_ends(prepared, parsed.input_ids, http)
+            with deadline(self.deadline) as end:  # the answer and /tokenize after it
+                reader = self._reader(stream, end)
+                left = time_left()
+                await asyncio.wait_for(self._aexchange(body, reader), left if left is None else max(0.0, left))
+                parsed = reader.result()
+                ends = None
+                if parsed.input_ids and self.tracker is not None:
+                    async with httpx.AsyncClient(timeout=self._timeout(), headers=self._headers) as http:
+                        ends = await self.block_tokenizer.ablock_ends(prepared, parsed.input_ids, http)
             return self._finish(prepared, start, parsed, before, ends)
         except (httpx.TransportError, asyncio.TimeoutError) as exc:
             self._forget(prepared)
@@ -570,13 +594,14 @@ class OpenAICompatClient:
                     break
 
     # ---- answers ---------------------------------------------------------------------------
-    def _timeout(self) -> httpx.Timeout:
+    def _timeout(self, left: float | None = None) -> httpx.Timeout:
+        """Per chunk: ``timeout``, at most the deadline; ``left``: waiting for a pooled
+        connection takes no longer than the time left."""
         per_chunk = min(self.timeout, self.deadline) if self.deadline is not None else self.timeout
-        return httpx.Timeout(per_chunk)
+        return httpx.Timeout(per_chunk, pool=per_chunk if left is None else max(0.001, min(per_chunk, left)))
 
-    def _reader(self, stream: bool, start: float) -> _Reader:
-        deadline = start + self.deadline if self.deadline is not None else None
-        return _Reader(self.where, stream, deadline, self.max_response_bytes)
+    def _reader(self, stream: bool, end: float | None) -> _Reader:
+        return _Reader(self.where, stream, end, self.max_response_bytes)
 
     def _http_error(self, status: int, body: bytes) -> EngineHTTPError:
         snippet = body[:300].decode("utf-8", errors="replace").strip()

@@ -368,7 +368,8 @@ class EvictionListener:
         token: shared secret expected in the ``X-ContextPilot-Token`` header (or as a
             bearer token); must not be empty.
         max_body_bytes: larger requests are refused with 413.
-        max_batch_blocks: event batches naming more blocks are refused with 413.
+        max_batch_blocks: event batches naming more blocks are refused with 413
+            (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, as everywhere).
         max_connections: open connections at most; at the bound the longest-idle one is
             closed for a new client, and new clients get 503 when none is idle.
         idle_timeout: seconds a connection may wait for a request, or between its bytes.

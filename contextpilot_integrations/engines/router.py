@@ -23,9 +23,13 @@ turn the caller keeps). A target that cannot be reached (refused, reset) is mark
 for ``down_seconds`` and routed around; the request is prepared again for another target,
 with the same ``kept_turns``, and sent there, so it is never lost. A slow answer (a
 timeout, the ``deadline``) is not a dead target: the call raises, and the target keeps
-its place and its predicted cache. A request larger than every target's cache is sent
-anyway (to the least loaded) and recorded as cached nowhere. A call that raises, bad input
-included, leaves the routing state as it was.
+its place and its predicted cache. But a target that fails ``breaker_failures`` times in
+a row (timeouts, 5xx, broken answers: one that accepts connections and never answers) is
+a circuit breaker opened: routed around for ``down_seconds``, its predicted cache kept;
+then one request probes it (half-open), and its success closes the breaker, its failure
+opens it again. :meth:`Router.stats` shows each target's failures and breaker. A request
+larger than every target's cache is sent anyway (to the least loaded) and recorded as cached
+nowhere. A call that raises, bad input included, leaves the routing state as it was.
 
 :class:`RoutingClient` sends; thread-safe, sync and async.
 """
@@ -33,6 +37,7 @@ included, leaves the routing state as it was.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import threading
 import time
@@ -40,11 +45,13 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel
 
 from ..blocks import Block, BlockLike, normalize_blocks
 from ..conversations import ConversationStore
-from ..errors import DuplicateRequestError, EngineTimeout, EngineUnavailable
+from ..errors import DuplicateRequestError, EngineError, EngineTimeout, EngineUnavailable
 from ..pilot import (
     BatchItem,
     BatchRequest,
@@ -55,11 +62,21 @@ from ..prepared import PreparedRequest
 from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from . import wire
 from .client import ChatResult, OpenAICompatClient
+from .deadline import deadline
 from .feedback import Binding
 
 T = TypeVar("T")
 
-__all__ = ["CacheAwarePolicy", "Routed", "RoutedResult", "Router", "RoutingClient", "Target", "is_unreachable"]
+__all__ = [
+    "CacheAwarePolicy",
+    "Routed",
+    "RoutedResult",
+    "Router",
+    "RoutingClient",
+    "Target",
+    "TargetStats",
+    "is_unreachable",
+]
 
 
 def is_unreachable(exc: BaseException) -> bool:
@@ -79,6 +96,21 @@ def is_unreachable(exc: BaseException) -> bool:
     if isinstance(exc, (httpx.TransportError, EngineUnavailable)):
         return True
     return openai is not None and isinstance(exc, openai.APIConnectionError)
+
+
+def send_outcome(exc: BaseException) -> str:
+    """What a failed send says about its target: ``unreachable``, ``timeout``, ``failed``
+    (a 5xx, or an answer that broke or was malformed), ``ok`` (a 4xx: the target answered;
+    the request was at fault) or ``other`` (not the target's doing)."""
+    if is_unreachable(exc):
+        return "unreachable"
+    openai = sys.modules.get("openai")
+    if _timed_out(exc, (openai.APITimeoutError,) if openai is not None else ()):
+        return "timeout"
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int) and not isinstance(status, bool):
+        return "failed" if status >= 500 else "ok"
+    return "failed" if isinstance(exc, EngineError) else "other"
 
 
 def _timed_out(exc: BaseException, sdk_timeouts: tuple[type[BaseException], ...]) -> bool:
@@ -138,14 +170,50 @@ class Routed:
     """The caller's ``kept_turns``: a failover prepares the request again with them."""
 
 
+class TargetStats(BaseModel):
+    """One target's traffic, failures and circuit breaker (see :meth:`Router.stats`)."""
+
+    sent: int
+    in_flight: int
+    failures: int
+    """Sends that failed on the target's side: timeouts, unreachable, 5xx, broken answers."""
+    timeouts: int
+    unreachable: int
+    consecutive_failures: int
+    breaker: Literal["closed", "open", "half_open"]
+    """``open``: routed around; ``half_open``: the cool-down is over, one request probes it."""
+    breaker_opened: int
+    """Times the breaker opened (a failed probe included)."""
+    open_for_s: float
+    """Seconds before an open breaker lets a probe through (0 unless open)."""
+
+
 @dataclass
 class _State:
     pilot: ContextPilot
     in_flight: int = 0
     down_until: float = 0.0
+    tripped: bool = False
+    """The breaker is open (before ``down_until``) or half-open (after it)."""
+    probing: bool = False
+    """A half-open breaker's probe is in flight: no other request goes there meanwhile."""
     sent: int = 0
     failures: int = 0
+    timeouts: int = 0
+    unreachable: int = 0
+    consecutive: int = 0
+    opened: int = 0
     last_used: int = -1
+
+    def available(self, now: float) -> bool:
+        """Routed to: closed, or half-open with no probe in flight."""
+        return not self.tripped or (now >= self.down_until and not self.probing)
+
+    def trip(self, until: float) -> None:
+        """Open the breaker until ``until`` (counted once: not again for a send that was
+        already in flight when it opened)."""
+        self.opened += not self.tripped or self.probing
+        self.tripped, self.probing, self.down_until = True, False, until
 
 
 class _SharedConversations(ConversationStore):
@@ -191,7 +259,10 @@ class Router:
             retriever's order, for a baseline that only routes).
         policy: thresholds of the cache-aware policy; ``routing="cache_aware"`` uses it,
             ``"round_robin"`` and ``"least_loaded"`` are there to compare with.
-        down_seconds: how long an unreachable target is routed around.
+        down_seconds: how long an unreachable target, or one whose breaker opened, is
+            routed around (then one request probes it).
+        breaker_failures: failures in a row (timeouts, 5xx, broken answers) that open a
+            target's circuit breaker; an unreachable target's opens at once.
         max_conversations: conversations remembered (where each one lives, and what its
             turns showed); the least recent are forgotten.
         shared: share every target's predicted state and where conversations live with the
@@ -211,6 +282,7 @@ class Router:
         policy: CacheAwarePolicy | None = None,
         routing: str = "cache_aware",
         down_seconds: float = 30.0,
+        breaker_failures: int = 3,
         max_conversations: int = 10_000,
         shared: Any = None,
         **pilot_options: Any,
@@ -222,10 +294,15 @@ class Router:
             raise ValueError(f"routing must be one of {', '.join(self.ROUTINGS)}, got {routing!r}")
         if max_conversations < 1:
             raise ValueError("max_conversations must be at least 1")
+        if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or breaker_failures < 1:
+            raise ValueError(f"breaker_failures must be an int >= 1, got {breaker_failures!r}")
+        if not (math.isfinite(down_seconds) and down_seconds >= 0):
+            raise ValueError(f"down_seconds must be a number of seconds >= 0, got {down_seconds!r}")
         self.targets = list(targets)
         self.policy = policy or CacheAwarePolicy()
         self.routing = routing
         self.down_seconds = down_seconds
+        self.breaker_failures = breaker_failures
         self.max_conversations = max_conversations
         from ..shared.switch import per_target  # no broker client unless sharing is on
 
@@ -275,10 +352,30 @@ class Router:
             return {name: state.sent for name, state in self._states.items()}
 
     def is_down(self, target: Target | str) -> bool:
-        """Whether the target is being routed around (it was unreachable lately)."""
+        """Whether the target is being routed around (unreachable lately, or its breaker is
+        open, or half-open with its probe in flight)."""
         name = target if isinstance(target, str) else target.name
         with self._lock:
-            return self._states[name].down_until > time.monotonic()
+            return not self._states[name].available(time.monotonic())
+
+    def stats(self) -> dict[str, TargetStats]:
+        """Per target name: requests sent and in flight, failures, and the circuit breaker."""
+        now = time.monotonic()
+        with self._lock:
+            return {
+                name: TargetStats(
+                    sent=state.sent,
+                    in_flight=state.in_flight,
+                    failures=state.failures,
+                    timeouts=state.timeouts,
+                    unreachable=state.unreachable,
+                    consecutive_failures=state.consecutive,
+                    breaker=("open" if now < state.down_until else "half_open") if state.tripped else "closed",
+                    breaker_opened=state.opened,
+                    open_for_s=max(0.0, state.down_until - now) if state.tripped else 0.0,
+                )
+                for name, state in self._states.items()
+            }
 
     def conversation_target(self, conversation_id: str) -> str | None:
         """The name of the target a conversation stays on, if it is remembered."""
@@ -286,24 +383,46 @@ class Router:
             return self._conversations.get(conversation_id)
 
     def started(self, target: Target) -> None:
+        """A send to ``target`` begins; past an open breaker's cool-down it is the probe."""
         with self._lock:
             state = self._states[target.name]
             state.in_flight += 1
             state.sent += 1
             state.last_used = self._uses
             self._uses += 1
+            if state.tripped and time.monotonic() >= state.down_until:
+                state.probing = True
 
-    def finished(self, target: Target) -> None:
-        with self._lock:
-            self._states[target.name].in_flight -= 1
-
-    def mark_down(self, target: Target) -> None:
-        """The target is unreachable: route around it for ``down_seconds``; its prediction
-        is void (it may have restarted empty)."""
+    def finished(self, target: Target, outcome: str = "ok") -> None:
+        """A send to ``target`` ended: ``ok`` (it answered, an HTTP 4xx included: it is up),
+        ``failed``, ``timeout`` or ``unreachable`` (counted towards its breaker), or
+        ``other`` (the caller's error or cancellation; ``down``: already counted by
+        :meth:`mark_down`). See :func:`send_outcome`."""
         with self._lock:
             state = self._states[target.name]
-            state.down_until = time.monotonic() + self.down_seconds
+            state.in_flight -= 1
+            if outcome == "ok":
+                state.consecutive, state.tripped, state.probing = 0, False, False
+                return
+            if outcome not in ("failed", "timeout", "unreachable"):
+                state.probing = False  # another request may probe
+                return
             state.failures += 1
+            state.timeouts += outcome == "timeout"
+            state.unreachable += outcome == "unreachable"
+            state.consecutive += 1
+            if state.probing or (not state.tripped and state.consecutive >= self.breaker_failures):
+                state.trip(time.monotonic() + self.down_seconds)  # slow, not gone: prediction kept
+
+    def mark_down(self, target: Target) -> None:
+        """The target is unreachable: route around it for ``down_seconds`` (its breaker
+        open); its prediction is void (it may have restarted empty)."""
+        with self._lock:
+            state = self._states[target.name]
+            state.trip(time.monotonic() + self.down_seconds)
+            state.failures += 1
+            state.unreachable += 1
+            state.consecutive += 1
         state.pilot.reset()
 
     def end_conversation(self, conversation_id: str) -> bool:
@@ -354,7 +473,7 @@ class Router:
         """The decision, with the lock held; it records nothing (``draft`` counts the round-robin
         turn it takes)."""
         now = time.monotonic()
-        up = [t for t in self.targets if t.name not in exclude and self._states[t.name].down_until <= now]
+        up = [t for t in self.targets if t.name not in exclude and self._states[t.name].available(now)]
         candidates = up or [t for t in self.targets if t.name not in exclude] or list(self.targets)
         if conversation_id is not None:
             name = draft.sticks.get(conversation_id) or self._conversations.get(conversation_id)
@@ -463,17 +582,21 @@ class Router:
     def attempt(self, target: Target, *, last: bool) -> Iterator[None]:
         """One try at ``target``, counted as load while it runs. An unreachable target is
         marked down and the failure swallowed (the caller tries the next one), unless it
-        was the ``last`` one left; any other failure (an error answer, a timeout) raises
-        and leaves the target as it was."""
+        was the ``last`` one left; any other failure (an error answer, a timeout) raises,
+        and counts towards the target's breaker, its prediction kept."""
         self.started(target)
+        outcome = "other"  # cancelled, unless the send ends otherwise
         try:
             yield
+            outcome = "ok"
         except Exception as exc:
-            if last or not is_unreachable(exc):
+            outcome = send_outcome(exc)
+            if last or outcome != "unreachable":
                 raise
+            outcome = "down"
             self.mark_down(target)
         finally:
-            self.finished(target)
+            self.finished(target, outcome)
 
     def call(self, binding: Binding | None, send: Callable[[Target, PreparedRequest | None], T]) -> T:
         """``send`` to each target of :meth:`attempts` until one answers."""
@@ -592,7 +715,8 @@ class RoutingClient:
     Args:
         router: the routing state.
         model, timeout, deadline, api_key: for every target's
-            :class:`~.client.OpenAICompatClient`.
+            :class:`~.client.OpenAICompatClient`; ``deadline`` bounds a whole call, every
+            failover included.
         sinks: per target name, the event sink (``listener.sink``) of that engine, if any;
             targets without one get usage feedback from their cached-token reports.
     """
@@ -647,7 +771,12 @@ class RoutingClient:
         return self.send(self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns), **params)
 
     def send(self, routed: Routed, **params: Any) -> RoutedResult:
-        """Send a routed request; on an unreachable target, prepare it again for another."""
+        """Send a routed request; on an unreachable target, prepare it again for another
+        (every try within the one ``deadline``)."""
+        with deadline(self.deadline):
+            return self._send(routed, **params)
+
+    def _send(self, routed: Routed, **params: Any) -> RoutedResult:
         tried: list[str] = []
         while True:
             target = routed.target
@@ -671,6 +800,10 @@ class RoutingClient:
 
     async def asend(self, routed: Routed, **params: Any) -> RoutedResult:
         """Async variant of :meth:`send`."""
+        with deadline(self.deadline):
+            return await self._asend(routed, **params)
+
+    async def _asend(self, routed: Routed, **params: Any) -> RoutedResult:
         tried: list[str] = []
         while True:
             target = routed.target

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..errors import EngineError
 from ..usage import check_token_count
+from ..validation import MAX_BLOCKS
 
 __all__ = [
     "REQUEST_ID_FIELDS",
@@ -189,15 +190,26 @@ class DecodedBatch:
     """Events of a KV-cache group other than the first (hybrid models; skipped)."""
 
 
-def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
+MAX_BATCH_BYTES = 32 * 1024 * 1024
+"""A larger native batch is refused unread (:data:`MAX_BLOCKS` blocks of 16-token pages
+take about 20 MB of msgpack)."""
+
+
+def decode_zmq_batch(
+    payload: bytes, seq: int, publisher: str, *, max_blocks: int = MAX_BLOCKS, max_bytes: int = MAX_BATCH_BYTES
+) -> DecodedBatch:
     """A native ZMQ payload (SGLang or vLLM ``KVEventBatch``, msgpack) as a validated batch.
 
     Raises:
         ValueError: the payload is not a batch (malformed or too deeply nested msgpack,
-            wrong shape, or an event that fails validation).
+            wrong shape, or an event that fails validation), or it is larger than
+            ``max_bytes`` or names more than ``max_blocks`` blocks (refused before any
+            event is validated or applied).
     """
     import msgspec
 
+    if len(payload) > max_bytes:
+        raise ValueError(f"batch of {len(payload):,} bytes, over {max_bytes:,}")
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -216,6 +228,9 @@ def decode_zmq_batch(payload: bytes, seq: int, publisher: str) -> DecodedBatch:
             other_groups += 1
         else:
             known.append(event)
+    blocks = sum(len(hashes) for event in known if isinstance(hashes := event.get("block_hashes"), list))
+    if blocks > max_blocks:
+        raise ValueError(f"batch names {blocks:,} blocks, over {max_blocks:,}")
     try:
         batch = KvEventBatch.model_validate(
             {"seq": seq, "ts": ts if isinstance(ts, (int, float)) else None, "rank": rank,

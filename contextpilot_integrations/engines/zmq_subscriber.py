@@ -59,8 +59,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ..validation import MAX_BLOCKS
 from .sink import KvEventSink
-from .wire import END_OF_REPLAY, decode_zmq_batch
+from .wire import END_OF_REPLAY, MAX_BATCH_BYTES, decode_zmq_batch
 
 __all__ = ["MAX_REPLAY_GAP", "SubscriberStats", "ZmqEventSubscriber", "subscribe_ranks"]
 
@@ -118,6 +119,10 @@ class ZmqEventSubscriber:
         heartbeat: if set (seconds) and there is a replay socket, a silence this long asks it
             for anything after the last batch: a lost last batch is noticed without waiting
             for the next one.
+        max_batch_blocks, max_batch_bytes: a batch naming more blocks
+            (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, the HTTP listener's
+            bound too), or larger, is refused before it is validated or reaches the sink:
+            its events are lost, so the index is reset.
     """
 
     def __init__(
@@ -132,6 +137,8 @@ class ZmqEventSubscriber:
         replay_timeout: float = 2.0,
         max_replay_gap: int = MAX_REPLAY_GAP,
         heartbeat: float | None = None,
+        max_batch_blocks: int = MAX_BLOCKS,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         if not (math.isfinite(replay_timeout) and replay_timeout > 0):
             raise ValueError("replay_timeout must be a positive number of seconds")
@@ -148,6 +155,8 @@ class ZmqEventSubscriber:
         self.replay_timeout = replay_timeout
         self.max_replay_gap = max_replay_gap
         self.heartbeat = heartbeat
+        self.max_batch_blocks = max_batch_blocks
+        self.max_batch_bytes = max_batch_bytes
         self.stats = SubscriberStats()
         self._zmq = zmq
         self._context: Any = zmq.Context.instance()
@@ -262,7 +271,9 @@ class ZmqEventSubscriber:
 
     def _apply(self, seq: int, payload: bytes, digest: bytes | None = None) -> None:
         try:
-            decoded = decode_zmq_batch(payload, seq, self.name)
+            decoded = decode_zmq_batch(
+                payload, seq, self.name, max_blocks=self.max_batch_blocks, max_bytes=self.max_batch_bytes
+            )
         except ValueError as exc:  # its events are lost as surely as a missing batch's
             self._count("malformed")
             logger.warning("contextpilot: %s batch %d cannot be read (%s): the index is reset", self.name, seq, exc)

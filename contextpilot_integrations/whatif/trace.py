@@ -3,7 +3,8 @@
 ``{"id", "blocks", "tokens"?, "texts"?, "question"?, "conversation"?, "turn"?,
 "history_turns"?, "session"?, "time"?}``:
 
-- ``blocks``: block ids in retrieval order (strings; integers are accepted and stringified);
+- ``blocks``: block ids in retrieval order (strings; integers are accepted and stringified),
+  at most :data:`~contextpilot_integrations.validation.MAX_BLOCKS` (262,144) a line;
 - ``tokens``: each block's token count (whole numbers > 0, together at most
   :data:`~contextpilot_integrations.usage.MAX_TOKENS`, 2**31 - 1). Without it, counts are estimated from ``texts``
   (about four characters a token, the estimate :class:`~contextpilot_integrations.Block`
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..blocks import CHARS_PER_TOKEN
 from ..errors import ContextPilotError
 from ..usage import MAX_TOKENS
+from ..validation import MAX_BLOCKS
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -70,7 +72,7 @@ class TraceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(min_length=1)
-    blocks: tuple[str, ...] = Field(min_length=1)
+    blocks: tuple[str, ...] = Field(min_length=1, max_length=MAX_BLOCKS)
     tokens: tuple[Annotated[int, Field(strict=True)], ...] | None = None
     texts: tuple[str, ...] | None = None
     question: str | None = None
@@ -187,6 +189,9 @@ def _parse_line(line: str, where: str) -> TraceRequest:
         raise TraceError(f"{where}: a JSON number too long to read (over 4,300 digits)") from None
     if not isinstance(data, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    blocks = data.get("blocks")
+    if isinstance(blocks, list) and len(blocks) > MAX_BLOCKS:  # refused before a model holds them
+        raise TraceError(f"{where}: blocks: {len(blocks):,} blocks, more than {MAX_BLOCKS:,} a request")
     try:
         return TraceRequest.model_validate(data)
     except RecursionError:

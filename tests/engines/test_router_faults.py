@@ -438,3 +438,126 @@ def test_a_batch_with_a_live_request_id_records_nothing() -> None:
         router.plan(batch)
     assert routing_state(router) == before
     router.finished(TARGETS[0])
+
+
+# ---- issue 31, item 7: a replica that accepts connections and never answers ---------------------------
+class Silent:
+    """A stand-in for a hung replica, named as such: a TCP socket on 127.0.0.1 that accepts
+    every connection and never reads or answers (a wedged engine process)."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[Any] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(connection)  # held open, never answered
+
+    def stop(self) -> None:
+        self.sock.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[Silent]:
+    server = Silent()
+    yield server
+    server.stop()
+
+
+def test_a_replica_that_never_answers_loses_its_traffic_after_n_timeouts(fresh: list[Replica], silent: Silent) -> None:
+    """30 sequential calls over two healthy replicas and a hung one: without a breaker every
+    third call timed out (10 of 30); with it, the first ``breaker_failures`` do, then none.
+    The hung replica keeps its predicted cache (slow is not down) and its stats show why."""
+    a, b = fresh[:2]
+    router = Router([Target("A", a.url), Target("B", b.url), Target("S", silent.url)])  # breaker_failures=3
+    known = docs("W", "X", "Y")
+    router.pilot("S").discard(router.pilot("S").prepare(known, "seen before"))
+    router.pilot("S").prepare(known, "served before the hang")  # S holds this prefix
+    failed = 0
+    with RoutingClient(router, timeout=5, deadline=1.0) as client:
+        for n in range(30):
+            try:
+                client.chat([Block(id=f"d{n}", text=f"Document {n}. " * 20)], f"q{n}", max_tokens=1)
+            except EngineTimeout:
+                failed += 1
+    assert failed <= 3, f"{failed} of 30 calls failed"
+    stats = router.stats()["S"]
+    assert stats.breaker == "open" and stats.timeouts == failed and stats.breaker_opened == 1
+    assert stats.failures == failed and stats.consecutive_failures == 3 and stats.open_for_s > 0
+    assert router.is_down("S") and router.stats()["A"].breaker == "closed"
+    assert router.pilot("S").predicted_cached_blocks([b.id for b in known]) == 3  # slow, not down
+    assert router.loads() == {"A": 0, "B": 0, "S": 0}
+
+
+def test_concurrent_callers_stop_reaching_a_replica_that_never_answers(fresh: list[Replica], silent: Silent) -> None:
+    """Four threads, thirty calls each (over ten failed without a breaker): once the
+    breaker opens nothing more goes to the hung replica; what failed is at most the
+    breaker's count plus the calls already in flight."""
+    a, b = fresh[:2]
+    router = Router([Target("A", a.url), Target("B", b.url), Target("S", silent.url)])  # breaker_failures=3
+    failures: list[int] = []
+    lock = threading.Lock()
+
+    def caller(worker: int, client: RoutingClient) -> None:
+        for n in range(30):
+            try:
+                client.chat([Block(id=f"w{worker}-{n}", text=f"Doc {worker} {n}. " * 20)], "q", max_tokens=1)
+            except EngineTimeout:
+                with lock:
+                    failures.append(1)
+
+    with RoutingClient(router, timeout=5, deadline=1.0) as client:
+        threads = [threading.Thread(target=caller, args=(w, client)) for w in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert len(failures) <= 3 + 3, f"{len(failures)} of 120 calls failed"
+    stats = router.stats()["S"]
+    assert stats.breaker == "open" and stats.failures == len(failures) and stats.breaker_opened == 1
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_the_breaker_probes_after_its_cool_down_and_closes_on_success(fresh: list[Replica], use_async: bool) -> None:
+    a, b = fresh[:2]
+    router = Router(targets_of([a, b]), breaker_failures=2, down_seconds=3.0)
+    with RoutingClient(router, timeout=5, deadline=1.0) as client:
+
+        def chat(query: str) -> Any:
+            blocks = [Block(id=query, text=f"About {query}. " * 20)]
+            if use_async:
+                return asyncio.run(client.achat(blocks, query, max_tokens=1))
+            return client.chat(blocks, query, max_tokens=1)
+
+        a.mode, a.delay = "slow", 2.0  # takes requests, answers too late
+        outcomes = []
+        for n in range(6):
+            try:
+                outcomes.append(chat(f"q{n}").target.name)
+            except EngineTimeout:
+                outcomes.append("timeout")
+        assert outcomes.count("timeout") == 2 and outcomes[-3:] == ["B"] * 3
+        assert router.stats()["A"].breaker == "open"
+        time.sleep(3.05)
+        assert router.stats()["A"].breaker == "half_open" and not router.is_down("A")
+        with pytest.raises(EngineTimeout):  # the probe fails: open again
+            for n in range(3):
+                chat(f"probe{n}")
+        assert router.stats()["A"].breaker == "open" and router.stats()["A"].breaker_opened == 2
+        a.mode = "up"
+        time.sleep(3.05)
+        served = [chat(f"after{n}").target.name for n in range(4)]
+    assert "A" in served  # the probe succeeded: closed, A takes its share again
+    assert router.stats()["A"].breaker == "closed" and router.stats()["A"].consecutive_failures == 0
+    assert router.loads() == {"A": 0, "B": 0}

@@ -566,3 +566,47 @@ def test_requests_shortened_counts_requests_not_removals(ports: tuple[int, int])
         publisher.shutdown()
         subscriber.stop()
     assert pilot.stats().live_requests == 0 and sink.stats().requests_shortened == 1
+
+
+# ---- issue 31, item 8: blocks per batch bounded as everywhere ------------------------------------------
+def test_a_batch_over_max_blocks_is_refused_before_the_sink_lock(ports: tuple[int, int]) -> None:
+    """A batch naming 1M blocks: refused before validation, without holding the sink's lock
+    (a concurrent reader never waits), and its events count as lost (the index resets)."""
+    pilot = ContextPilot(plain_prompts=False)
+    sink = KvEventSink(pilot)
+    pub_port, _ = ports
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    subscriber = ZmqEventSubscriber(sink, f"tcp://127.0.0.1:{pub_port}")
+    time.sleep(0.5)
+    count = 1_000_000
+    huge = batch([{"type": "BlockStored", "block_hashes": list(range(1, count + 1)), "parent_block_hash": None,
+                   "token_ids": [7] * count, "block_size": 1}])  # fmt: skip
+    waits: list[float] = []
+    try:
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), batch()])
+        wait_until(lambda: subscriber.snapshot().batches == 1)
+        pilot.prepare(["alpha"], "q")
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), huge])
+        while subscriber.snapshot().malformed + subscriber.snapshot().batches < 2:
+            started = time.monotonic()
+            sink.stats()  # takes the sink's lock
+            waits.append(time.monotonic() - started)
+            time.sleep(0.005)
+            assert sum(waits) < 30, "the batch was never handled"
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), batch()])
+        wait_until(lambda: subscriber.snapshot().batches == 2, seconds=5)
+    finally:
+        subscriber.stop()
+        pub.close(linger=0)
+    seen = subscriber.snapshot()
+    assert seen.malformed == 1 and seen.batches == 2  # refused; the stream goes on
+    assert sink.stats().engine_blocks == 0 and pilot.stats().live_requests == 0  # lost events: reset
+    assert max(waits) < 0.25, f"the sink's lock was held {max(waits):.2f} s"
+    from contextpilot_integrations.engines.wire import decode_zmq_batch
+    from contextpilot_integrations.validation import MAX_BLOCKS
+
+    at_bound = [{"type": "BlockRemoved", "block_hashes": list(range(1, MAX_BLOCKS + 1))}]
+    assert decode_zmq_batch(batch(at_bound), 0, "p").batch.block_count == MAX_BLOCKS  # the bound itself is fine
+    with pytest.raises(ValueError, match="over 262,144"):
+        decode_zmq_batch(batch([{"type": "BlockRemoved", "block_hashes": list(range(MAX_BLOCKS + 1))}]), 0, "p")

@@ -237,3 +237,23 @@ def test_token_options_beyond_any_prompt_are_usage_errors(capsys: pytest.Capture
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--answer-tokens", str(10**30)])
     assert exited.value.code == 2 and "must be at most 2,147,483,647" in capsys.readouterr().err
+
+
+def test_a_request_over_max_blocks_is_refused_naming_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line of 300,000 block ids (issue 31, item 8; one of 1M took the CLI to 1.4 GB and
+    minutes): refused with ``file:line`` and exit 2, as every hostile line; one at the bound
+    is read."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "blocks": ["x"]}\n' + json.dumps({"id": "b", "blocks": list(range(300_000))}) + "\n")
+    start = time.perf_counter()
+    assert main(["simulate", "--trace", str(trace), "--no-plot", "--quiet"]) == 2
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "t.jsonl:2: blocks: 300,000 blocks, more than 262,144" in err
+    from contextpilot_integrations.validation import MAX_BLOCKS
+    from contextpilot_integrations.whatif.trace import load_trace
+
+    trace.write_text(json.dumps({"id": "b", "blocks": list(range(MAX_BLOCKS))}) + "\n")
+    assert len(load_trace(trace)[0].blocks) == MAX_BLOCKS
