@@ -502,6 +502,9 @@ def _header(args: argparse.Namespace, workload: Workload, modes: Sequence[str], 
     if "chat" in modes:
         conversations = len({r.conversation or r.id for r in workload.chat})
         history = "all turns" if args.history_turns is None else f"the last {args.history_turns} turns"
+        own = [r.history_turns for r in workload.chat if r.history_turns is not None]
+        if own:  # a line's own history_turns wins
+            history += f" (lines that give history_turns: theirs, up to {max(own)})"
         lines.append(
             f"chat: {conversations:,} conversations, {len(workload.chat):,} turns, interleaved by turn; "
             f"history {history}; answers of {shape.answer_tokens} tokens; feedback {args.feedback}; capacity is a "

@@ -357,7 +357,9 @@ def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: st
                 one.simulated_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
                 one.simulated_cached_tokens = sum(predict_cached(requests, shape))
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return None  # the engine would not tokenize: no prediction rather than a wrong one
+            for one in passes:  # the engine would not tokenize: no prediction rather than a partial one
+                one.simulated_prompt_tokens = one.simulated_cached_tokens = None
+            return None
     return shape
 
 
