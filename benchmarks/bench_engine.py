@@ -8,7 +8,9 @@
    MultiHop-RAG queries offline, online and as interleaved chats, without ContextPilot
    (the texts in retrieval order, no labels, no annotation) against ContextPilot, A B B A.
    Prints, per engine and mode, the engine's own prompt, cached and computed (prompt -
-   cached) tokens side by side, and time to first token only as a ratio within the run.
+   cached) tokens side by side, and time to first token only as a ratio within the run;
+   beside each arm's computed tokens, the simulator's for the very same requests (the
+   engine's tokenizer, page size and KV pool; SGLang and vLLM) and the gap between them.
 2. Eviction sync latency: SGLang's real RadixCache under capacity pressure publishes its
    KV events through our plugin publisher over HTTP to the callback server; prints the
    p50/p99 time from publish to index updated. Target: p99 <= 50 ms.
@@ -86,6 +88,7 @@ def bench_engines(args: argparse.Namespace) -> None:
     head = (
         f"{'engine':<13}{'mode':<9}{'prompt w/o':>12}{'prompt with':>13}{'cached w/o':>12}{'cached with':>13}"
         f"{'computed w/o':>14}{'computed with':>15}{'ratio':>7}{'TTFT w/o:with':>15}"
+        f"{'simulator w/o':>15}{'gap':>7}{'simulator with':>16}{'gap':>7}"
     )
     print(head)
     print("-" * len(head), flush=True)
@@ -96,13 +99,19 @@ def bench_engines(args: argparse.Namespace) -> None:
             base, ours = data["retrieval_order"], data["contextpilot"]
             ttft = f"{data['mean_ttft_ratio']:.2f}" if data["mean_ttft_ratio"] else "-"
             ratio = f"{data['computed_ratio']:.2f}" if data["computed_ratio"] is not None else "-"
+            simulated = ""
+            for arm, width in ((base, 15), (ours, 16)):
+                value, gap = arm.get("simulator_computed_tokens"), arm.get("simulator_gap")
+                simulated += f"{f'{value:,}' if value is not None else '-':>{width}}"
+                simulated += f"{f'{gap:+.1%}' if gap is not None else '-':>7}"
             print(
                 f"{report['engine']:<13}{mode:<9}{base['prompt_tokens']:>12,}{ours['prompt_tokens']:>13,}"
                 f"{base['cached_tokens']:>12,}{ours['cached_tokens']:>13,}{base['computed_tokens']:>14,}"
-                f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}"
+                f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}{simulated}"
             )
         print(f"{'':<13}({report['clean_cache']})", flush=True)
     print("ratio: computed prompt tokens with / without ContextPilot (below 1: ContextPilot computes fewer)")
+    print("simulator: its computed tokens for the same requests; gap: simulator / engine - 1")
 
 
 def bench_eviction_sync(args: argparse.Namespace) -> None:

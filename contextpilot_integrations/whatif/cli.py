@@ -2,6 +2,8 @@
 
 contextpilot-integrations demo                      # bundled MultiHop-RAG sample
 contextpilot-integrations simulate --trace my.jsonl # your own trace
+contextpilot-integrations simulate --synthetic NAME # a generated workload (whatif.synthetic)
+contextpilot-integrations generate NAME trace.jsonl # write one as a trace
 contextpilot-integrations listen                    # the eviction callback server, standalone
 """
 
@@ -26,6 +28,7 @@ from .engine_compare import EngineComparison, EngineComparisonError
 from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
 from .report import Row, as_json, plot, print_table
+from .synthetic import FAMILIES, SyntheticError, family, generate
 from .trace import TraceError, TraceRequest, load_trace, multihop_chats, multihop_trace, working_set_tokens
 from .workers import worker_rows
 
@@ -100,6 +103,12 @@ def _names(choices: Sequence[str], what: str) -> type:
     return parse  # type: ignore[return-value]
 
 
+def _family(text: str) -> str:
+    if text not in FAMILIES:
+        raise argparse.ArgumentTypeError(f"unknown synthetic family: {text} (known: {', '.join(FAMILIES)})")
+    return text
+
+
 def _check_writable(path: Path, directory: bool) -> str | None:
     """Fail before hours of replays, not after: can we write there?"""
     folder = path if directory else path.parent
@@ -134,16 +143,36 @@ def _parser() -> argparse.ArgumentParser:
     listen.add_argument("--token", help="shared secret the publisher must send (CONTEXTPILOT_EVENTS_TOKEN)")
     listen.add_argument("--page-size", type=_count(1), help="the engine's --page-size, if known")
     listen.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
+    make = commands.add_parser(
+        "generate",
+        help="write a synthetic workload as a trace (JSON lines simulate --trace reads)",
+        description="Write a synthetic workload as a trace. "
+        + "; ".join(f"{name}: {spec.description}" for name, spec in FAMILIES.items()),
+    )
+    make.add_argument("family", type=_family, help=", ".join(FAMILIES))
+    make.add_argument("path", type=Path, help="the trace file to write")
+    make.add_argument("--requests", type=_count(1), help="how many requests (default: the family's)")
+    make.add_argument("--seed", type=_count(0), default=0, help="the same seed gives the same trace (0)")
+    make.add_argument("--texts", action="store_true", help="give every block a text (to send it to a server)")
+    make.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, help_text in (
         ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15; grouped into chats)"),
-        ("simulate", "run your own JSON-lines trace"),
+        ("simulate", "run your own JSON-lines trace, or a generated workload (--synthetic)"),
     ):
         command = commands.add_parser(name, help=help_text, description=help_text)
         if name == "simulate":
-            command.add_argument(
-                "--trace", required=True, type=Path, help="JSON lines: id, blocks, tokens?, texts?, question?, ..."
+            source = command.add_mutually_exclusive_group(required=True)
+            source.add_argument("--trace", type=Path, help="JSON lines: id, blocks, tokens?, texts?, question?, ...")
+            source.add_argument(
+                "--synthetic",
+                type=_family,
+                metavar="NAME",
+                help=f"a generated workload instead of a trace: {', '.join(FAMILIES)}",
             )
-            command.add_argument("--limit", type=_count(1), help="read only the first N requests of the trace")
+            command.add_argument(
+                "--limit", type=_count(1), help="read only the first N requests of the trace (--synthetic: generate N)"
+            )
+            command.add_argument("--seed", type=_count(0), default=0, help="--synthetic: the seed (0)")
             command.add_argument(
                 "--plan-out",
                 type=Path,
@@ -249,6 +278,13 @@ def _workload(args: argparse.Namespace) -> Workload:
         return Workload(
             "MultiHop-RAG sample (bundled; ODC-BY 1.0)", multihop_trace(texts=texts), multihop_chats(texts=texts)
         )
+    if args.synthetic:
+        spec = family(args.synthetic)
+        if args.limit:
+            spec = spec.with_requests(args.limit)
+        texts = bool(args.engine or args.engine_cmd)
+        trace = generate(spec, seed=args.seed, texts=texts)
+        return Workload(f"synthetic {spec.name} (seed {args.seed}): {spec.description}", trace, trace)
     trace = load_trace(args.trace, limit=args.limit)
     return Workload(str(args.trace), trace, trace)
 
@@ -265,13 +301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "listen":
         return _listen(args)
+    if args.command == "generate":
+        return _generate(args)
     try:
         workload = _workload(args)
-    except TraceError as exc:
+    except (TraceError, SyntheticError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     has_chat = any(r.conversation is not None for r in workload.chat)
-    modes = args.modes or (list(MODES) if args.command == "demo" else (["chat"] if has_chat else ["offline", "online"]))
+    every = args.command == "demo" or (getattr(args, "synthetic", None) and has_chat)
+    modes = args.modes or (list(MODES) if every else (["chat"] if has_chat else ["offline", "online"]))
     problem = _check_outputs(args, modes)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -463,6 +502,9 @@ def _header(args: argparse.Namespace, workload: Workload, modes: Sequence[str], 
     if "chat" in modes:
         conversations = len({r.conversation or r.id for r in workload.chat})
         history = "all turns" if args.history_turns is None else f"the last {args.history_turns} turns"
+        own = [r.history_turns for r in workload.chat if r.history_turns is not None]
+        if own:  # a line's own history_turns wins
+            history += f" (lines that give history_turns: theirs, up to {max(own)})"
         lines.append(
             f"chat: {conversations:,} conversations, {len(workload.chat):,} turns, interleaved by turn; "
             f"history {history}; answers of {shape.answer_tokens} tokens; feedback {args.feedback}; capacity is a "
@@ -488,6 +530,24 @@ def _notes(workload: Workload, rows: Sequence[Row]) -> list[str]:
                 "larger than the cache, and a request larger than the cache is never cached"
             )
     return list(dict.fromkeys(notes))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Write a synthetic workload as a trace file ``simulate --trace`` reads back."""
+    spec = family(args.family)
+    if args.requests:
+        spec = spec.with_requests(args.requests)
+    problem = _check_writable(args.path, directory=False)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    with tqdm(total=spec.requests, desc=f"generating {spec.name}", unit="req", disable=args.quiet) as bar:
+        trace = generate(spec, seed=args.seed, texts=args.texts, on_request=bar.update)
+    with args.path.open("w", encoding="utf-8") as out:
+        for request in trace:
+            out.write(request.model_dump_json(exclude_none=True) + "\n")
+    print(f"{len(trace):,} requests of {spec.name} (seed {args.seed}): {args.path}")
+    return 0
 
 
 def _listen(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ every block resent in chat. Which engine serves is read from its ``/v1/models``
 llama-server, is restarted from ``--engine-cmd`` for every pass. A server that can do
 neither is refused: its passes could share a cache and the comparison would flatter
 whichever ran second. What is compared is what the server reports: its prompt and cached
-token counts (computed = prompt - cached), and time to first token.
+token counts (computed = prompt - cached), and time to first token. Beside each, on SGLang
+and vLLM, the simulator's prediction for the very same requests (:mod:`.engine_predict`):
+the engine's tokens, page size and KV pool, so that the two can be checked against each other.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..errors import ContextPilotError, EngineError
 from ..pilot import BatchRequest, ContextPilot
 from ..prepared import PreparedRequest
 from ..usage import check_usage
+from .engine_predict import CacheShape, EngineTokenizer, cache_shape, predict_cached
 from .llama_server import ServerProcess
 from .replay import SYSTEM_PROMPT, arrival_order
 from .trace import TraceRequest, turns_in_order
@@ -104,6 +107,11 @@ class EnginePass:
     """The trace ids of the requests served, in send order."""
     first_cached_tokens: int | None = None
     """What the engine reported cached for the pass's first request (0 on an empty cache)."""
+    sent: list[tuple[list[dict[str, str]], str]] = field(default_factory=list, repr=False)
+    """Each request's messages and the answer, in send order (what the simulator replays)."""
+    simulated_prompt_tokens: int | None = None
+    simulated_cached_tokens: int | None = None
+    """The simulator's prediction for the same requests (None: the engine does not say its cache shape)."""
 
     @property
     def computed_tokens(self) -> int:
@@ -127,18 +135,25 @@ class _Summary:
     prompt: int
     cached: int
     wall: float
+    simulated: int | None
+    """The simulator's computed tokens for the same requests, or None."""
 
     @classmethod
     def of(cls, passes: Sequence[EnginePass]) -> _Summary:
+        simulated = None
+        if all(p.simulated_prompt_tokens is not None and p.simulated_cached_tokens is not None for p in passes):
+            simulated = sum((p.simulated_prompt_tokens or 0) - (p.simulated_cached_tokens or 0) for p in passes)
         return cls(
             passes[0].name,
             [t for p in passes for t in p.ttft_s],
             sum(p.prompt_tokens for p in passes),
             sum(p.cached_tokens for p in passes),
             statistics.fmean(p.wall_s for p in passes),
+            simulated,
         )
 
     def as_json(self) -> dict[str, Any]:
+        computed = self.prompt - self.cached
         return {
             "name": self.name,
             "requests_per_pass": len(self.ttft) // 2,
@@ -150,6 +165,8 @@ class _Summary:
             "computed_tokens": self.prompt - self.cached,
             "cached_ratio": self.cached / self.prompt if self.prompt else 0.0,
             "wall_s": self.wall,
+            "simulator_computed_tokens": self.simulated,
+            "simulator_gap": (self.simulated / computed - 1) if self.simulated is not None and computed else None,
         }
 
 
@@ -162,6 +179,8 @@ class EngineComparison:
     engine: str = "openai"
     """Which engine served (from its ``/v1/models``): sglang, vllm, llamacpp or openai."""
     passes: list[EnginePass] = field(default_factory=list)
+    cache: CacheShape | None = None
+    """The engine's page size and KV pool, as the simulator was given them."""
 
     @classmethod
     def run(
@@ -179,7 +198,8 @@ class EngineComparison:
                 for name in (BASELINE, "contextpilot", "contextpilot", BASELINE):
                     with server.clean() as url:
                         passes.append(workloads.run(mode, name, url, server, progress))
-        return cls(server.name, server.how, server.kind, passes)
+            shape = _simulate(passes, url, server, args.model, progress)
+        return cls(server.name, server.how, server.kind, passes, shape)
 
     def summaries(self, mode: str) -> tuple[_Summary, _Summary]:
         ours = [p for p in self.passes if p.mode == mode and p.name == "contextpilot"]
@@ -195,8 +215,10 @@ class EngineComparison:
             "engine": self.engine,
             "clean_cache": self.clean_cache,
             "baseline": "without ContextPilot: the texts in retrieval order, no labels, no annotation",
+            "simulator_cache": None if self.cache is None else {"page_size": self.cache.page_size,
+                                                                "capacity_tokens": self.cache.capacity_tokens},
             "modes": {},
-        }
+        }  # fmt: skip
         for mode in self.modes():
             baseline, ours = (s.as_json() for s in self.summaries(mode))
             ratio = baseline["mean_ttft_s"] / ours["mean_ttft_s"] if ours["mean_ttft_s"] else None
@@ -217,9 +239,14 @@ class EngineComparison:
             f"\nserver {self.server} ({self.engine}): every pass on an empty cache ({self.clean_cache}); order A B B A"
         )
         print("baseline: without ContextPilot (the texts in retrieval order, no labels, no annotation)")
+        if self.cache is not None:
+            print(
+                f"simulator: the same requests in the engine's tokens, pages of {self.cache.page_size} tokens, "
+                f"a KV pool of {self.cache.capacity_tokens:,} tokens (gap: simulator / engine computed - 1)"
+            )
         head = (
             f"{'mode':<9}{'':<17}{'mean TTFT':>11}{'p50':>9}{'p90':>9}{'prompt':>11}{'cached':>19}"
-            f"{'computed':>11}{'wall':>9}"
+            f"{'computed':>11}{'simulator':>11}{'gap':>8}{'wall':>9}"
         )
         print(head)
         print("-" * len(head))
@@ -227,10 +254,14 @@ class EngineComparison:
             for key in ("retrieval_order", "contextpilot"):
                 s = data[key]
                 cached = f"{s['cached_tokens']:,} ({s['cached_ratio']:.1%})"
+                simulated = s["simulator_computed_tokens"]
+                gap = s["simulator_gap"]
                 print(
                     f"{mode if key == 'retrieval_order' else '':<9}{s['name']:<17}{s['mean_ttft_s'] * 1e3:>9.0f}ms"
                     f"{s['p50_ttft_s'] * 1e3:>7.0f}ms{s['p90_ttft_s'] * 1e3:>7.0f}ms{s['prompt_tokens']:>11,}"
-                    f"{cached:>19}{s['computed_tokens']:>11,}{s['wall_s']:>8.1f}s"
+                    f"{cached:>19}{s['computed_tokens']:>11,}"
+                    f"{f'{simulated:,}' if simulated is not None else '-':>11}"
+                    f"{f'{gap:+.1%}' if gap is not None else '-':>8}{s['wall_s']:>8.1f}s"
                 )
             if data["computed_ratio"] is not None:
                 print(f"{'':<9}computed prompt tokens x{data['computed_ratio']:.2f} with ContextPilot", end="")
@@ -306,6 +337,30 @@ class _Server:
             if flush_engine_cache(url, self.kind):
                 self.how = f"one server, POST {FLUSH_PATHS[self.kind]} before every pass"
         return url
+
+
+def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: str, progress: bool) -> CacheShape | None:
+    """The simulator's prompt and cached tokens for each pass's own requests, in the engine's
+    tokens and cache shape (SGLang and vLLM say theirs); the shape, or None."""
+    shape = cache_shape(url, server.kind) if server.kind in FLUSH_PATHS else None
+    if shape is None:
+        return None
+    tokenizer = EngineTokenizer(url, server.model if model == "default" and server.model else model)
+    total = sum(len(p.sent) for p in passes)
+    with tqdm(total=total, desc="simulator", unit="req", leave=False, disable=not progress) as bar:
+        try:
+            for one in passes:
+                requests = []
+                for messages, answer in one.sent:
+                    requests.append((tokenizer.messages(messages), tokenizer.text(answer)))
+                    bar.update(1)
+                one.simulated_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
+                one.simulated_cached_tokens = sum(predict_cached(requests, shape))
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            for one in passes:  # the engine would not tokenize: no prediction rather than a partial one
+                one.simulated_prompt_tokens = one.simulated_cached_tokens = None
+            return None
+    return shape
 
 
 def _warm_up(url: str, model: str) -> None:
@@ -411,10 +466,12 @@ class _Sender:
     ) -> str:
         params: dict[str, Any] = {"max_tokens": max(1, answer), "temperature": 0}
         if isinstance(prompt, PreparedRequest):
+            messages = prompt.to_messages(SYSTEM_PROMPT, history or ())  # what the client sends
             result = self.client.chat(prompt, system_prompt=SYSTEM_PROMPT, history=history, **params)
         else:
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, *(history or ())]
-            result = self.client.send_messages([*messages, {"role": "user", "content": prompt}], **params)
+            messages.append({"role": "user", "content": prompt})
+            result = self.client.send_messages(messages, **params)
         try:  # the client kept the answer; a comparison cannot keep a count above 100%
             check_usage(result.prompt_tokens, result.cached_tokens)
         except (TypeError, ValueError) as exc:
@@ -425,5 +482,6 @@ class _Sender:
         if not self.record.served:
             self.record.first_cached_tokens = result.cached_tokens
         self.record.served.append(key)
+        self.record.sent.append((messages, result.text))
         self.bar.update(1)
         return result.text

@@ -1,6 +1,7 @@
 """``demo --engine-cmd`` against live SGLang and live vLLM (CPU, tiny model): the comparison
 runs end to end, A B B A, one server flushed before every pass, and the numbers it reports
-are the engine's own and hang together.
+are the engine's own and hang together; and the simulator, given the same requests in the
+engine's tokens, page size and KV pool, predicts the engine's computed tokens within 5%.
 
 About 45 s per engine on 2 cores (start, warm-up, 3 modes x 4 passes x 4 requests).
 Without the engines the tests skip, unless ``CONTEXTPILOT_REQUIRE_LIVE_ENGINES`` is set (CI).
@@ -31,6 +32,7 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
     report = json.loads(capsys.readouterr().out)["engine"]
     assert report["engine"] == engine  # read from the engine's /v1/models, not from the command
     assert report["clean_cache"] == f"one server, POST {FLUSH_PATHS[engine]} before every pass"
+    assert report["simulator_cache"] == {"page_size": 16 if engine == "sglang" else 32, "capacity_tokens": 4096}
     assert set(report["modes"]) == {"offline", "online", "chat"}
     for mode, data in report["modes"].items():
         assert data["same_requests"], mode  # both arms served the same requests, every pass
@@ -41,6 +43,9 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
             assert counts["requests_per_pass"] == REQUESTS, (mode, arm)
             assert counts["prompt_tokens"] > 0 and 0 <= counts["cached_tokens"] <= counts["prompt_tokens"]
             assert counts["computed_tokens"] == counts["prompt_tokens"] - counts["cached_tokens"]
+            # the simulator on the very requests this arm sent: within 5% of what the engine computed
+            assert counts["simulator_computed_tokens"] is not None, (mode, arm)
+            assert abs(counts["simulator_gap"]) <= 0.05, (mode, arm, counts)
             cached_somewhere += counts["cached_tokens"]
         # every prompt starts with the same chat template and system prompt: a prefix cache
         # reuses at least that much after each pass's first request

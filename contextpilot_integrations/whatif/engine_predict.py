@@ -1,0 +1,126 @@
+"""The simulator's count beside the engine's, for the very requests the engine served.
+
+An engine comparison reports what the server computed; this predicts the same number with
+:class:`~.simulate.RadixCacheSimulator`, from the same requests in the same order, so the
+two can be checked against each other. What makes the prediction match a real engine:
+
+- tokens: the engine's own tokenizer and chat template (its ``/tokenize`` endpoint, which
+  SGLang and vLLM serve), so the system prompt, the template's role markers, labels,
+  annotation and history are all counted as the engine counts them;
+- pages: the cache holds whole pages of ``page_size`` tokens (SGLang ``--page-size``,
+  vLLM ``--block-size``) and a request reuses whole pages only; a hit leaves at least one
+  prompt token to compute (both engines cap a match at the prompt's length less one);
+- generation: the answer's tokens are cached after the prompt, all but the last (its KV
+  is never computed), so the next turn of a chat reuses them;
+- capacity: the engine's KV pool in tokens (SGLang ``max_total_num_tokens`` from
+  ``/server_info``, vLLM ``num_gpu_blocks`` of ``/metrics``, less the null block),
+  least-recently-used whole leaves evicted first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .simulate import BlockSpec, RadixCacheSimulator
+
+__all__ = ["CacheShape", "EngineTokenizer", "cache_shape", "predict_cached"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """An engine's prefix cache: page size and KV pool, in tokens."""
+
+    page_size: int
+    capacity_tokens: int
+
+
+def cache_shape(base_url: str, engine: str) -> CacheShape | None:
+    """Read the page size and KV pool from a running SGLang or vLLM; ``None`` if it does not say."""
+    base = base_url.rstrip("/")
+    try:
+        if engine == "sglang":
+            info = httpx.get(base + "/server_info", timeout=30).json()
+            page, pool = _find(info, "page_size"), _find(info, "max_total_num_tokens")
+            return CacheShape(int(page), int(pool)) if page and pool else None
+        if engine == "vllm":
+            metrics = httpx.get(base + "/metrics", timeout=30).text
+            line = next((m for m in metrics.splitlines() if m.startswith("vllm:cache_config_info{")), "")
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            page, blocks = int(labels.get("block_size") or 0), int(labels.get("num_gpu_blocks") or 0)
+            return CacheShape(page, (blocks - 1) * page) if page and blocks > 1 else None  # one null block
+    except (httpx.HTTPError, ValueError):
+        return None
+    return None
+
+
+def _find(data: Any, key: str) -> Any:
+    """The first value of ``key`` anywhere in nested JSON (``/server_info`` moves fields between versions)."""
+    if isinstance(data, Mapping):
+        if data.get(key) is not None:
+            return data[key]
+        children: Any = data.values()
+    elif isinstance(data, list):
+        children = data
+    else:
+        return None
+    for child in children:
+        found = _find(child, key)
+        if found is not None:
+            return found
+    return None
+
+
+class EngineTokenizer:
+    """The engine's own token ids for chat messages and answers (``POST /tokenize``),
+    remembered per text: the passes of a comparison send the same prompts again."""
+
+    MAX_REMEMBERED = 20_000
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.url, self.model = base_url.rstrip("/") + "/tokenize", model
+        self._seen: dict[str, tuple[int, ...]] = {}
+
+    def messages(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+        """The prompt's ids, chat template and generation prompt included."""
+        body = {"model": self.model, "messages": [dict(m) for m in messages], "add_generation_prompt": True}
+        return self._tokenize(body)
+
+    def text(self, text: str) -> tuple[int, ...]:
+        """A generated answer's ids, no special tokens added."""
+        return self._tokenize({"model": self.model, "prompt": text, "add_special_tokens": False}) if text else ()
+
+    def _tokenize(self, body: dict[str, Any]) -> tuple[int, ...]:
+        key = json.dumps(body, sort_keys=True)
+        ids = self._seen.get(key)
+        if ids is None:
+            response = httpx.post(self.url, json=body, timeout=60)
+            response.raise_for_status()
+            ids = tuple(int(t) for t in response.json()["tokens"])
+            if len(self._seen) >= self.MAX_REMEMBERED:
+                self._seen.clear()
+            self._seen[key] = ids
+        return ids
+
+
+def predict_cached(requests: Sequence[tuple[Sequence[int], Sequence[int]]], shape: CacheShape) -> list[int]:
+    """Cached prompt tokens of each request, in send order, on a fresh cache of ``shape``.
+
+    Args:
+        requests: (prompt ids, generated ids) of each request, in the order served.
+    """
+    page = shape.page_size
+    cache = RadixCacheSimulator(shape.capacity_tokens)
+    cached = []
+    for n, (prompt, generated) in enumerate(requests):
+        kept = [*prompt, *generated[:-1]]  # the last generated token's KV is never computed
+        pages: list[BlockSpec] = [(tuple(kept[i : i + page]), page) for i in range(0, len(kept) // page * page, page)]
+        reusable = max(0, len(prompt) - 1) // page  # a hit leaves at least one prompt token to compute
+        served = cache.request(f"p{n}", pages[:reusable], pages[reusable:])
+        cached.append(served.hit_tokens)
+    return cached
