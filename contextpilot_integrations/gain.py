@@ -34,6 +34,7 @@ counts, and it is not indexed.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -53,6 +54,7 @@ __all__ = [
     "Form",
     "Retention",
     "annotation_tokens",
+    "block_ids",
     "block_key",
     "choose_order",
     "estimate_tokens",
@@ -104,7 +106,16 @@ def annotation_tokens(
         return 0
     if form == "labels" or order is None:
         return count(render_order(ranking, templates))
+    if form == "positions" and count is estimate_tokens:  # its length depends on the block count alone
+        return -(-_position_chars(len(ranking), templates) // CHARS_PER_TOKEN)
     return count(render_position_order(ranking, order, templates, moved_only=form == "moved"))
+
+
+@functools.lru_cache(maxsize=256)
+def _position_chars(blocks: int, templates: Templates) -> int:
+    """Characters of a ``positions`` annotation of this many blocks (any permutation)."""
+    items = sum(len(templates.position_item.format(position=p)) for p in range(1, blocks + 1))
+    return len(templates.position_order.format(order="")) + items + (blocks - 1) * len(templates.order_joiner)
 
 
 def label_tokens(blocks: Sequence[Block], templates: Templates, count: TokenCounter = estimate_tokens) -> int:
@@ -159,7 +170,16 @@ def key_block(key: str) -> str:
 
 def plain_keys(order: Sequence[str]) -> list[str]:
     """Index keys of blocks sent as their text alone."""
+    if "\x00" not in "".join(order):  # the usual case, checked in C
+        return list(order)
     return [block_key(key) for key in order]
+
+
+def block_ids(keys: Sequence[str]) -> list[str]:
+    """The block ids of index keys (:func:`key_block` of each)."""
+    if "\x00" not in "".join(keys):
+        return list(keys)
+    return [key_block(key) for key in keys]
 
 
 def labelled_keys(order: Sequence[str]) -> list[str]:
