@@ -54,7 +54,7 @@ __all__ = [
     "Form",
     "Retention",
     "annotation_tokens",
-    "block_ids",
+    "key_blocks",
     "block_key",
     "choose_order",
     "estimate_tokens",
@@ -175,7 +175,7 @@ def plain_keys(order: Sequence[str]) -> list[str]:
     return [block_key(key) for key in order]
 
 
-def block_ids(keys: Sequence[str]) -> list[str]:
+def key_blocks(keys: Sequence[str]) -> list[str]:
     """The block ids of index keys (:func:`key_block` of each)."""
     if "\x00" not in "".join(keys):
         return list(keys)

@@ -38,11 +38,11 @@ from .gain import (
     Retention,
     TokenCounter,
     annotation_tokens,
-    block_ids as ids_of,
     choose_order,
     estimate_tokens,
     index_keys,
     key_block,
+    key_blocks,
     label_tokens,
     labelled_keys,
     plain_keys,
@@ -354,7 +354,7 @@ class ContextPilot:
             plain_ok = conversation_id is None and self.plain_prompts
             if planned_order is None:
                 followed = self._strategy.order(rid, self._strategy_keys(keys, plain_ok))
-                planned_order = ids_of(followed)
+                planned_order = key_blocks(followed)
             choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
             order, labels = choice.order, choice.labels
             self._cooccurrence.record(order)
@@ -508,7 +508,7 @@ class ContextPilot:
             }
             with _gc_paused():
                 planned = self._strategy.plan(followed, tokens)
-            orders = [ids_of(order) for order in planned.orders]
+            orders = [key_blocks(order) for order in planned.orders]
             schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
             sizes = [sum(block.token_count for block in blocks) for blocks, _ in normalized]
             chances: dict[int, Chance | None] = {}
@@ -888,7 +888,7 @@ class ContextPilot:
         with self._lock:
             if request_id in self._live or request_id in self._reserved:
                 return False
-            self._cooccurrence.record(ids_of(order))
+            self._cooccurrence.record(key_blocks(order))
             if self._strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
                 self._strategy.commit(PlannedBatch([], []), [(request_id, order)])
             else:
