@@ -11,11 +11,12 @@ Three generated workloads, unlike the bundled MultiHop-RAG sample (15 blocks of 
 Each is run through the project's own simulator (``whatif.replay``, every prompt token
 counted) offline, online and chat at 1%, 5%, 25% and 100% of the working set, with and
 without ContextPilot. ``--sample`` adds the bundled sample; ``--forms`` prints what each
-annotation form costs. Only APIs older than issue 29 are used by the sweep, so it runs on
-either tree (switch with ``PYTHONPATH``).
+annotation form costs (issue 29's ``order_form``). Only APIs older than issue 29 are used by the
+sweep, so it runs on either tree (switch with ``PYTHONPATH``).
 
 Usage: python benchmarks/bench_rule.py [--workloads memory,passage,chat] [--requests 1200]
-       [--modes offline,online,chat] [--capacities 0.01,0.05,0.25,1] [--sample] [--forms] [--json]
+       [--modes offline,online,chat] [--capacities 0.01,0.05,0.25,1] [--sample] [--json]
+       python benchmarks/bench_rule.py --forms
 """
 
 from __future__ import annotations
@@ -146,6 +147,43 @@ def sweep(
     return rows
 
 
+def form_costs(name: str, trace: Sequence[TraceRequest], requests: int = 300) -> list[dict[str, Any]]:
+    """What each annotation form adds to a reordered request (labels and annotation, four
+    characters a token as the simulator counts), against its block tokens: every request
+    sent in the trie strategy's order of a pilot in that form."""
+    from contextpilot_integrations import Block, ContextPilot
+    from contextpilot_integrations.gain import annotation_tokens, label_tokens
+
+    rows = []
+    for form in ("labels", "positions", "moved"):
+        pilot = ContextPilot(order_form=form)  # type: ignore[arg-type]
+        added = blocks = reordered = 0
+        for request in trace[:requests]:
+            ranking = [
+                Block(id=b, text=b, tokens=t) for b, t in zip(request.blocks, request.token_counts(), strict=True)
+            ]
+            order = pilot._strategy.order(request.id, [b.id for b in ranking])
+            by_id = {b.id: b for b in ranking}
+            sent = [by_id[key] for key in order]
+            blocks += sum(b.token_count for b in ranking)
+            if sent == ranking:
+                continue
+            reordered += 1
+            added += annotation_tokens(ranking, pilot.templates, sent, form)  # type: ignore[arg-type]
+            if form == "labels":
+                added += label_tokens(ranking, pilot.templates)
+        rows.append(
+            {
+                "workload": name,
+                "form": form,
+                "reordered": reordered,
+                "added_per_request": added / max(reordered, 1),
+                "share_of_blocks": added / blocks,
+            }
+        )
+    return rows
+
+
 def print_rows(rows: Sequence[dict[str, Any]]) -> None:
     print("| workload | mode | capacity | prefill w/o | prefill with | change | hit w/o -> with |")
     print("|---|---|---|---|---|---|---|")
@@ -164,8 +202,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--capacities", default=",".join(map(str, CAPACITIES)))
     parser.add_argument("--sample", action="store_true", help="the bundled MultiHop-RAG sample too")
+    parser.add_argument("--forms", action="store_true", help="what each annotation form costs, then exit")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.forms:
+        print("| workload | form | requests reordered | tokens added a reordered request | of all block tokens |")
+        print("|---|---|---|---|---|")
+        traces = {"multihop": multihop_trace(), **{n: WORKLOADS[n](args.requests) for n in ("memory", "passage")}}
+        for name, trace in traces.items():
+            for r in form_costs(name, trace):
+                print(
+                    f"| {name} | {r['form']} | {r['reordered']} | {r['added_per_request']:.1f} | "
+                    f"{r['share_of_blocks']:.2%} |"
+                )
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     capacities = [float(c) for c in args.capacities.split(",") if c]
     rows: list[dict[str, Any]] = []

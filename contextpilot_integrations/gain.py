@@ -208,6 +208,7 @@ def choose_order(
     budget: float = math.inf,
     retrieval_chance: Chance | None = None,
     prompt_tokens: int = 0,
+    labelled: tuple[Sequence[str], int] | None = None,
 ) -> Choice:
     """The send that pays best; ties go to the one that changes less.
 
@@ -236,6 +237,9 @@ def choose_order(
             partners follow the planned order, not this one's).
         prompt_tokens: the rest of the prompt (the question): a request fits the cache
             with it, and with its labels and annotation.
+        labelled: in the one-text forms, (an order onto a labelled prefix the index holds,
+            its labels' and label-annotation's tokens): a candidate too, where a
+            conversation left labelled blocks cached.
     """
     size = sum(tokens[key] for key in retrieval) + prompt_tokens
     bets = budget > 0
@@ -255,6 +259,8 @@ def choose_order(
         add(retrieval, True, None if plain_ok else retrieval_chance or chance, label_cost)
     if list(proposed) != list(retrieval):
         add(proposed, not one_text, chance, annotation_cost + (0 if one_text else label_cost))
+    if labelled is not None and one_text:
+        add(labelled[0], True, None, labelled[1])
     paid_now = max(now_value for _, now_value, _, _ in candidates)
     affordable = [c for c in candidates if paid_now - c[1] <= budget]  # a bet loses at most the budget now
     best = max(value for value, _, _, _ in affordable)

@@ -233,6 +233,7 @@ class ContextPilot:
         self._retention = Retention()  # how much of the predicted reuse the engine delivers
         self._cooccurrence = Cooccurrence()  # what this traffic shows about later reuse
         self._balance = Balance()  # what the sends bought, less what they cost
+        self._labelled_sends = 0  # requests sent labelled: a one-text request may follow their prefix
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
         self._observers: list[Callable[..., None]] = []
@@ -361,6 +362,7 @@ class ContextPilot:
             self._balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
             indexed = labelled_keys(order) if labels else plain_keys(order)
+            self._labelled_sends += labels
             if choice.cached:
                 cached_blocks = self._trie.insert(rid, indexed)
                 self._live[rid] = next(self._ticks)
@@ -434,6 +436,16 @@ class ContextPilot:
         if self.annotate_order and order != keys:
             form: Form = self.order_form if one_text else "labels"
             annotation = annotation_tokens(ranking, self.templates, [by_id[key] for key in order], form, count)
+        labelled = None
+        if one_text and self._labelled_sends:  # a conversation may have left labelled blocks cached
+            head = key_blocks(trie.best_prefix(labelled_keys(keys)))
+            if head:
+                taken = set(head)
+                onto = head + [key for key in order if key not in taken]
+                cost = label_tokens(ranking, self.templates, count)
+                if self.annotate_order and onto != keys:
+                    cost += annotation_tokens(ranking, self.templates, None, "labels", count)
+                labelled = (onto, cost)
         return choose_order(
             order,
             keys,
@@ -449,6 +461,7 @@ class ContextPilot:
             budget=math.inf if chance is not None and not concurrent else self._balance.budget,
             retrieval_chance=self._cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
+            labelled=labelled,
         )
 
     # ---- a batch ------------------------------------------------------------------------

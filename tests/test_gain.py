@@ -351,3 +351,13 @@ def test_a_send_loses_now_at_most_the_budget_against_the_prompt_without_contextp
         plain_now = sum(tokens[k] for k in retrieval[: matched(retrieval, False)])
         assert now - cost >= plain_now - budget  # a bet is paid from what earlier sends bought
         assert choice.bought == now - cost - plain_now
+
+
+def test_a_request_outside_a_conversation_follows_the_labelled_prefix_a_conversation_left() -> None:
+    """A conversation labels its blocks; another user's request with those blocks is sent
+    labelled too where that prefix pays for the labels (the README's example)."""
+    pilot = ContextPilot()
+    pilot.prepare([doc("a"), doc("b"), doc("c")], "q", conversation_id="user")
+    other = pilot.prepare([doc("b"), doc("a"), doc("d")], "q")
+    assert other.labels and [b.id for b in other.blocks] == ["a", "b", "d"] and other.cached_blocks == 2
+    assert other.order_annotation == "Context in priority order: [b] > [a] > [d]."
