@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from .blocks import Block
 
-__all__ = ["Templates", "parse_order_annotation", "render_block"]
+__all__ = ["Templates", "parse_order_annotation", "render_block", "render_position_order"]
 
 
 class Templates(BaseModel):
@@ -33,6 +33,13 @@ class Templates(BaseModel):
     order_item: str = "[{label}]"
     order_joiner: str = " > "
     question: str = "Question: {query}"
+    position_order: str = "Context in priority order, by position: {order}."
+    """The ranking by position in the prompt (blocks sent as their text alone)."""
+    position_item: str = "#{position}"
+    moved_order: str = "Context out of priority order: {order}; the rest as shown."
+    """Only the blocks whose position is not their rank (the ``moved`` form)."""
+    moved_item: str = "#{position} ranks {rank}"
+    moved_joiner: str = ", "
 
     @model_validator(mode="after")
     def _check_placeholders(self) -> Templates:
@@ -42,6 +49,10 @@ class Templates(BaseModel):
             "order": ("{order}",),
             "order_item": ("{label}",),
             "question": ("{query}",),
+            "position_order": ("{order}",),
+            "position_item": ("{position}",),
+            "moved_order": ("{order}",),
+            "moved_item": ("{position}", "{rank}"),
         }
         for name, placeholders in required.items():
             value = getattr(self, name)
@@ -69,6 +80,24 @@ def render_order(ranking: Sequence[Block], templates: Templates = DEFAULT_TEMPLA
     """The order annotation: the retriever's ranking, restated by label."""
     items = templates.order_joiner.join(templates.order_item.format(label=block.label) for block in ranking)
     return templates.order.format(order=items)
+
+
+def render_position_order(
+    ranking: Sequence[Block], order: Sequence[Block], templates: Templates = DEFAULT_TEMPLATES, moved_only: bool = False
+) -> str:
+    """The order annotation for blocks sent as their text alone: the retriever's ranking
+    restated by each block's position in the prompt (1 = first shown); ``moved_only``:
+    only the blocks whose position is not their rank, the rest read as shown."""
+    position = {block.id: index for index, block in enumerate(order, 1)}
+    if moved_only:
+        items = templates.moved_joiner.join(
+            templates.moved_item.format(position=position[block.id], rank=rank)
+            for rank, block in enumerate(ranking, 1)
+            if position[block.id] != rank
+        )
+        return templates.moved_order.format(order=items)
+    items = templates.order_joiner.join(templates.position_item.format(position=position[b.id]) for b in ranking)
+    return templates.position_order.format(order=items)
 
 
 def parse_order_annotation(text: str, templates: Templates = DEFAULT_TEMPLATES) -> list[str]:

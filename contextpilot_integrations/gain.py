@@ -1,54 +1,80 @@
-"""Never worse than retrieval order: labels and reordering only where the reuse pays.
+"""Never worse than retrieval order: reordering and labels only where the reuse pays.
 
 A prompt a user sends without ContextPilot carries its blocks in the retriever's order,
-unlabelled, with no order annotation. ContextPilot adds a label to every block and, when it
-reorders, the order annotation; both are prompt tokens the engine computes. So each request
-goes out in the send that pays best, counting those tokens against the reuse it buys:
-plain (as without ContextPilot), labelled in the retriever's order, or labelled in the
-strategy's order with the annotation. Labelled and plain blocks are different text, so the
-index keeps them apart (:func:`plain_keys`). The reuse counts the future as well as the
-present:
+unlabelled, with no order annotation. ContextPilot reorders blocks so requests share a
+prefix, and restates the retriever's ranking after them (the order annotation); the
+annotation, and labels where a form uses them, are prompt tokens the engine computes. So
+each request goes out in the send that pays best, counting those tokens (with the pilot's
+``token_counter``: the engine's tokenizer when given, else four characters a token, rounded
+up per piece, as the simulator counts) against the reuse it buys:
 
 - now: the leading blocks the engine is predicted to hold (the live index);
-- later: a prefix that later requests may reuse. The canonical order puts blocks other
-  requests carried first, so later requests carrying them follow the same prefix
-  (measured on the bundled MultiHop-RAG sample, a gate on the immediate reuse alone
-  lowered the online hit ratio, 25% capacity: 16.4% -> 15.8%). A prefix cache reuses only a
-  common prefix, so each block counts as much as the chance that a later request carries
-  it and every block before it: sure for a partner later in a batch sent in order; else
-  ``recur``, the share of blocks that recur on this traffic, per block, for one that
-  another request carried (and for the block after the run). On the sample nearly every
-  block recurs, so labels pay; for a new pilot, or traffic where little recurs, a
-  many-block bet is worth little and the request goes out plain.
+- later: the prefix later requests may reuse, learnt from this traffic
+  (:class:`Cooccurrence`): a block's first place counts as much as the chance a later
+  request carries it again, each next one as much as the chance it followed the block
+  before it (a prefix cache reuses only a common prefix); sure for a partner later in a
+  batch sent in order.
 
-Both count only as much as the engine has served what the index predicted
-(:class:`Retention`, from the engine's cached-token reports): llama-server with one slot
-keeps only its last prompt, and there labels and reordering soon stop being paid for.
+One text per block (the ``positions`` and ``moved`` forms, the default outside
+conversations): a block is its text alone whether the request is reordered or not, and the
+annotation ranks blocks by their position in the prompt; a later request lines up with an
+earlier one whichever way that one went out. The paper's form (``labels``: every block
+labelled, the ranking restated by label; always in a conversation, whose later turns refer
+to blocks by label) is another text, so the index keeps labelled blocks apart
+(:func:`labelled_key`).
 
-A request larger than the engine's cache (when its size is known) can reuse what others
-left cached but leaves nothing behind: only the reuse now counts, and it is not indexed.
+Both terms count only as much as the engine has served what the index predicted
+(:class:`Retention`, from the engine's cached-token reports), and a score is kept
+(:class:`Balance`): the reuse the sends bought over retrieval order's, less the tokens they
+added, over a recent window. While it is negative, later reuse counts for nothing: only a
+send that pays now is made. A request larger than the engine's cache (when its size is
+known) can reuse what others left cached but leaves nothing behind: only the reuse now
+counts, and it is not indexed.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from .annotations import Templates, render_order
+from .annotations import Templates, render_order, render_position_order
 from .blocks import CHARS_PER_TOKEN, Block
 from .prepared import PreparedRequest
 
 __all__ = [
-    "PLAIN",
+    "FORMS",
+    "LABELLED",
+    "Balance",
+    "Chance",
     "Choice",
+    "Cooccurrence",
+    "Form",
     "Retention",
     "annotation_tokens",
+    "key_blocks",
+    "block_key",
     "choose_order",
+    "estimate_tokens",
     "index_keys",
+    "key_block",
     "label_tokens",
+    "labelled_key",
+    "labelled_keys",
     "leading_reuse",
     "plain_keys",
+    "TokenCounter",
 ]
+
+Form = Literal["positions", "moved", "labels"]
+FORMS: tuple[Form, ...] = ("positions", "moved", "labels")
+"""Annotation forms: the ranking restated by position (blocks as their text alone), only
+the blocks whose position is not their rank, or the paper's (every block labelled, the
+ranking restated by label)."""
+
+TokenCounter = Callable[[str], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,59 +85,111 @@ class Choice:
     labels: bool = True
     cached: bool = True
     """Whether the engine will hold it afterwards (False: larger than its cache)."""
+    bought: float = 0.0
+    """Tokens reused now beyond what retrieval order would reuse, less the tokens added."""
 
 
-def _tokens(text: str) -> int:
-    return -(-len(text) // CHARS_PER_TOKEN) if text else 0  # rounded up: never under-count a cost
+def estimate_tokens(text: str) -> int:
+    """About four characters a token, rounded up: never under-count a cost."""
+    return -(-len(text) // CHARS_PER_TOKEN) if text else 0
 
 
-def annotation_tokens(ranking: Sequence[Block], templates: Templates) -> int:
-    """Tokens of the order annotation for this ranking (about four characters a token)."""
-    return _tokens(render_order(ranking, templates)) if ranking else 0
+def annotation_tokens(
+    ranking: Sequence[Block],
+    templates: Templates,
+    order: Sequence[Block] | None = None,
+    form: Form = "labels",
+    count: TokenCounter = estimate_tokens,
+) -> int:
+    """Tokens of the order annotation for this ranking, sent in ``order`` (in ``form``)."""
+    if not ranking:
+        return 0
+    if form == "labels" or order is None:
+        return count(render_order(ranking, templates))
+    if form == "positions" and count is estimate_tokens:  # its length depends on the block count alone
+        return -(-_position_chars(len(ranking), templates) // CHARS_PER_TOKEN)
+    return count(render_position_order(ranking, order, templates, moved_only=form == "moved"))
 
 
-def label_tokens(blocks: Sequence[Block], templates: Templates) -> int:
-    """Tokens the labels add to these blocks' prompt text."""
-    return _tokens(" " * sum(len(templates.block.format(label=block.label, text="")) for block in blocks))
+@functools.lru_cache(maxsize=256)
+def _position_chars(blocks: int, templates: Templates) -> int:
+    """Characters of a ``positions`` annotation of this many blocks (any permutation)."""
+    items = sum(len(templates.position_item.format(position=p)) for p in range(1, blocks + 1))
+    return len(templates.position_order.format(order="")) + items + (blocks - 1) * len(templates.order_joiner)
 
 
-def leading_reuse(
-    order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Callable[[str], float]
-) -> float:
+def label_tokens(blocks: Sequence[Block], templates: Templates, count: TokenCounter = estimate_tokens) -> int:
+    """Tokens the labels add to these blocks' prompt text (each label counted on its own,
+    as each labelled block is a piece of the prompt)."""
+    return sum(count(templates.block.format(label=block.label, text="")) for block in blocks)
+
+
+Chance = Callable[[str | None, str], float]
+"""That a later request carries ``key`` right after ``previous`` (None: in first place)."""
+
+
+def leading_reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Chance) -> float:
     """Tokens of the leading run of ``order`` expected to be reused: its first ``cached``
-    blocks (reused now) in full, then each block a later request may carry too, weighed by
-    the chance that a later request carries it and every block before it (a prefix cache
-    reuses only a common prefix); the run ends at the first block with no chance."""
-    return _leading_run(order, tokens, cached, chance)[1]
-
-
-def _leading_run(
-    order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Callable[[str], float]
-) -> tuple[int, float, float]:
-    """(blocks in the leading run, expected reused tokens, the chance a later request
-    carries the whole run): see :func:`leading_reuse`."""
+    blocks (reused now) in full, then each block as much as the chance that a later
+    request carries it and every block before it (a prefix cache reuses only a common
+    prefix); the run ends where that chance is negligible."""
     total = 0.0
     carried = 1.0
+    previous: str | None = None
     for position, key in enumerate(order):
         if position >= cached:
-            weight = chance(key)
-            if weight <= 0.0:
-                return position, total, carried
-            carried *= min(weight, 1.0)
+            carried *= min(chance(previous, key), 1.0)
+            if carried < _NEGLIGIBLE:
+                break
         total += carried * tokens[key]
-    return len(order), total, carried
+        previous = key
+    return total
+
+
+_NEGLIGIBLE = 1e-3
+
+
+def block_key(block_id: str) -> str:
+    """The index key of a block sent as its text alone: its id (one starting with NUL is
+    escaped, so no user id is ever an internal key)."""
+    return "\x00" + block_id if block_id.startswith("\x00") else block_id
+
+
+def labelled_key(block_id: str) -> str:
+    """The index key of a block sent with its label: another text, so never a prefix of
+    the unlabelled block's (nor it of this)."""
+    return LABELLED + block_id
+
+
+def key_block(key: str) -> str:
+    """The block id of an index key (the inverse of :func:`block_key` and :func:`labelled_key`)."""
+    if key.startswith(LABELLED):
+        return key[len(LABELLED) :]
+    return key[1:] if key.startswith("\x00") else key
 
 
 def plain_keys(order: Sequence[str]) -> list[str]:
-    """Index keys of blocks sent without labels: another text than the labelled blocks',
-    so never a prefix of theirs (nor theirs of it)."""
-    return [PLAIN + key for key in order]
+    """Index keys of blocks sent as their text alone."""
+    if "\x00" not in "".join(order):  # the usual case, checked in C
+        return list(order)
+    return [block_key(key) for key in order]
+
+
+def key_blocks(keys: Sequence[str]) -> list[str]:
+    """The block ids of index keys (:func:`key_block` of each)."""
+    if "\x00" not in "".join(keys):
+        return list(keys)
+    return [key_block(key) for key in keys]
+
+
+def labelled_keys(order: Sequence[str]) -> list[str]:
+    return [LABELLED + key for key in order]
 
 
 def index_keys(prepared: PreparedRequest) -> list[str]:
-    """A request's send order as the index keys it (labelled blocks by id, plain ones apart)."""
+    """A request's send order as the index keys it (labelled blocks apart)."""
     order = [block.id for block in prepared.blocks]
-    return order if prepared.labels else plain_keys(order)
+    return labelled_keys(order) if prepared.labels else plain_keys(order)
 
 
 def choose_order(
@@ -120,55 +198,158 @@ def choose_order(
     tokens: Mapping[str, int],
     *,
     matched: Callable[[Sequence[str], bool], int],
-    shared: Callable[[str], float],
+    chance: Chance,
     annotation_cost: int,
     label_cost: int,
+    form: Form = "positions",
     cache_tokens: int | None = None,
     plain_ok: bool = True,
-    recur: float = 1.0,
     kept: float = 1.0,
+    budget: float = math.inf,
+    retrieval_chance: Chance | None = None,
+    prompt_tokens: int = 0,
+    labelled: tuple[Sequence[str], int] | None = None,
 ) -> Choice:
-    """The send that pays best: the strategy's order (labelled, annotated if it differs), the
-    retriever's order labelled, or (``plain_ok``) the retriever's order as a user sends it
-    without ContextPilot. Ties go to the one that changes less.
+    """The send that pays best; ties go to the one that changes less.
+
+    Outside a conversation (``plain_ok``) in the ``positions`` and ``moved`` forms: the
+    retriever's order as a user sends it, or the strategy's order with the annotation. In
+    the ``labels`` form: also the retriever's order labelled, and the strategy's order is
+    labelled (plain blocks are another text, which later requests do not follow). In a
+    conversation (not ``plain_ok``): labelled, in either order.
 
     Args:
-        proposed, retrieval: the request's block keys, in the strategy's and the
+        proposed, retrieval: the request's block ids, in the strategy's and the
             retriever's order.
-        tokens: each key's tokens.
+        tokens: each id's tokens.
         matched: leading blocks of an order the engine is predicted to hold now, sent
-            labelled (True) or not (False).
-        shared: the chance that a later request carries this block and reuses it (1.0: a
-            request later in the same planned batch does; the ``recur`` share: another
-            request carried it before; 0.0: none did).
-        annotation_cost: tokens of the order annotation a reordered request carries.
+            labelled (True) or as text alone (False).
+        chance: that a later request carries a block right after another
+            (:meth:`Cooccurrence.chance`, or sure for a batch partner).
+        annotation_cost: tokens of the order annotation, if reordered.
         label_cost: tokens the labels add to the request.
         cache_tokens: the engine's cache size in tokens, if known.
-        plain_ok: whether it may go without labels (not in a conversation, whose later
-            turns refer to its blocks by label).
-        recur: the chance that a block no other request carried yet will be carried by a
-            later one (the share of blocks requested before, on this traffic): the block
-            after the prefix's run counts that much more (times the run's own chance).
         kept: the share of what the index predicts cached that the engine really served
             (:meth:`Retention.share_or`): every reuse counts that much.
+        budget: the most tokens a send may lose now for later reuse (:class:`Balance`:
+            what earlier sends bought; unbounded for partners in a batch sent in order).
+        retrieval_chance: ``chance`` for the retriever's order, where it differs (a batch's
+            partners follow the planned order, not this one's).
+        prompt_tokens: the rest of the prompt (the question): a request fits the cache
+            with it, and with its labels and annotation.
+        labelled: in the one-text forms, (an order onto a labelled prefix the index holds,
+            its labels' and label-annotation's tokens): a candidate too, where a
+            conversation left labelled blocks cached.
     """
-    fits = cache_tokens is None or sum(tokens[key] for key in retrieval) + label_cost <= cache_tokens
-    later = shared if fits else _never  # what it leaves cached pays off for later requests
-    reordered = list(proposed) != list(retrieval)
-    candidates: list[tuple[float, Choice]] = []
-    if plain_ok:
-        plain = kept * leading_reuse(retrieval, tokens, matched(retrieval, False), _never)
-        candidates.append((plain, Choice(list(retrieval), labels=False, cached=fits)))
-    if reordered:
-        labelled = kept * leading_reuse(retrieval, tokens, matched(retrieval, True), _never) - label_cost
-        candidates.append((labelled, Choice(list(retrieval), cached=fits)))
-    run, reuse, carried = _leading_run(proposed, tokens, matched(proposed, True), later)  # now, then what recurs
-    if fits and run < len(proposed):
-        reuse += carried * recur * tokens[proposed[run]]
-    ours = kept * reuse - label_cost - (annotation_cost if reordered else 0)
-    candidates.append((ours, Choice(list(proposed), cached=fits)))
-    best = max(value for value, _ in candidates)
-    return next(choice for value, choice in candidates if value == best)
+    size = sum(tokens[key] for key in retrieval) + prompt_tokens
+    bets = budget > 0
+    one_text = form != "labels" and plain_ok
+    candidates: list[tuple[float, float, float, Choice]] = []  # (value, value now, reuse now, choice)
+
+    def add(order: Sequence[str], labelled: bool, ahead: Chance | None, cost: int) -> None:
+        fits = cache_tokens is None or size + cost <= cache_tokens  # else it leaves nothing cached
+        cached = matched(order, labelled)
+        now = sum(tokens[key] for key in order[:cached])
+        value = kept * leading_reuse(order, tokens, cached, ahead if ahead and fits and bets else _never)
+        candidates.append((value - cost, kept * now - cost, now, Choice(list(order), labelled, fits)))
+
+    if plain_ok:  # as without ContextPilot
+        add(retrieval, False, (retrieval_chance or chance) if one_text else None, 0)
+    if not one_text:  # labelled, in the retriever's order
+        add(retrieval, True, None if plain_ok else retrieval_chance or chance, label_cost)
+    if list(proposed) != list(retrieval):
+        add(proposed, not one_text, chance, annotation_cost + (0 if one_text else label_cost))
+    if labelled is not None and one_text:
+        add(labelled[0], True, None, labelled[1])
+    paid_now = max(now_value for _, now_value, _, _ in candidates)
+    affordable = [c for c in candidates if paid_now - c[1] <= budget]  # a bet loses at most the budget now
+    best = max(value for value, _, _, _ in affordable)
+    _, now_value, _, choice = next(candidate for candidate in affordable if candidate[0] == best)
+    base = candidates[0][2]  # what the retriever's order reuses now, as it would go out
+    return replace(choice, bought=now_value - kept * base)
+
+
+class Cooccurrence:
+    """What this traffic has shown about later reuse: how often each block was sent, and
+    how often a block came right after another in a send order. The chance that a later
+    request carries a block in first place is ``n / (n + 1)`` after ``n`` sightings (none
+    for a first sight); right after another block, the share of that block's sightings it
+    followed. Bounded: past ``max_pairs`` pairs every count halves and zeros go (recent
+    traffic weighs most). Not thread-safe: the pilot's lock guards it."""
+
+    __slots__ = ("_follows", "_seen", "max_pairs")
+
+    def __init__(self, max_pairs: int = 1_000_000) -> None:
+        if max_pairs < 1:
+            raise ValueError("max_pairs must be at least 1")
+        self.max_pairs = max_pairs
+        self._seen: dict[str, int] = {}
+        self._follows: dict[tuple[str, str], int] = {}
+
+    def chance(self, previous: str | None, key: str) -> float:
+        if previous is None:
+            n = self._seen.get(key, 0)
+            return n / (n + 1)
+        n = self._seen.get(previous, 0)
+        return self._follows.get((previous, key), 0) / n if n else 0.0
+
+    def record(self, order: Sequence[str]) -> None:
+        """One request went out with its blocks in this order."""
+        seen, follows = self._seen, self._follows
+        previous: str | None = None
+        for key in order:
+            seen[key] = seen.get(key, 0) + 1
+            if previous is not None:
+                pair = (previous, key)
+                follows[pair] = follows.get(pair, 0) + 1
+            previous = key
+        if len(follows) > self.max_pairs or len(seen) > self.max_pairs:
+            self._halve()
+
+    def _halve(self) -> None:
+        self._seen = {key: n >> 1 for key, n in self._seen.items() if n > 1}
+        self._follows = {pair: n >> 1 for pair, n in self._follows.items() if n > 1}
+        if len(self._follows) > self.max_pairs // 2:  # all seen twice or more: keep the top half
+            ranked = sorted(self._follows.items(), key=lambda item: -item[1])
+            self._follows = dict(ranked[: self.max_pairs // 2])
+
+    def clear(self) -> None:
+        self._seen, self._follows = {}, {}
+
+    def __len__(self) -> int:
+        return len(self._follows)
+
+
+class Balance:
+    """The score of the sends: tokens they reused beyond what retrieval order would have
+    reused now, less the tokens their labels and annotations added, over a recent window
+    (each entry's weight decays by ``decay`` per later request). Later reuse is paid from
+    it: a bet on a prefix is repaid when a later request reuses that prefix beyond its own
+    retriever's order. A bet is paid from what earlier sends bought (:attr:`budget`): at
+    zero or below, the bets have not paid on this traffic, and only sends that pay now are
+    made. Not thread-safe: the pilot's
+    lock guards it."""
+
+    __slots__ = ("decay", "value")
+
+    def __init__(self, decay: float = 0.99) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.decay = decay
+        self.value = 0.0
+
+    def add(self, bought: float) -> None:
+        """One request: ``bought`` tokens net (negative: it cost more than it bought now)."""
+        self.value = self.value * self.decay + bought
+
+    def correct(self, tokens: float) -> None:
+        """The engine served ``tokens`` fewer (or more) cached tokens than predicted."""
+        self.value += tokens
+
+    @property
+    def budget(self) -> float:
+        """The most a send may lose now for later reuse: what the sends bought, if anything."""
+        return max(self.value, 0.0)
 
 
 class Retention:
@@ -205,9 +386,9 @@ class Retention:
         return self._held / self._predicted if self._predicted else untested
 
 
-PLAIN = "\x00plain:"
-"""Prefix of the index keys of blocks sent without labels (:func:`plain_keys`)."""
+LABELLED = "\x00labelled:"
+"""Prefix of the index keys of labelled blocks (:func:`labelled_key`)."""
 
 
-def _never(_: str) -> float:
+def _never(_previous: str | None, _key: str) -> float:
     return 0.0

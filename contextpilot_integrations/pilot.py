@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import math
 import os
 import secrets
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +28,25 @@ from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
 from .conversations import ConversationStore
 from .errors import DuplicateRequestError
-from .gain import PLAIN, Choice, Retention, annotation_tokens, choose_order, index_keys, label_tokens, plain_keys
+from .gain import (
+    FORMS,
+    Balance,
+    Chance,
+    Choice,
+    Cooccurrence,
+    Form,
+    Retention,
+    TokenCounter,
+    annotation_tokens,
+    choose_order,
+    estimate_tokens,
+    index_keys,
+    key_block,
+    key_blocks,
+    label_tokens,
+    labelled_keys,
+    plain_keys,
+)
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
 from .prepared import PreparedRequest, Reference, make_reference
@@ -84,6 +103,9 @@ class PilotStats(BaseModel):
     """The share of the predicted cached tokens the engine reported serving (recent
     reports weigh most; 1.0 before any): predicted reuse counts this much when deciding
     whether labels and reordering pay (:mod:`.gain`)."""
+    send_balance: float = 0.0
+    """Recent reuse the sends bought beyond retrieval order's, less the tokens they added
+    (:class:`~.gain.Balance`): while negative, no send bets on later reuse."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -154,8 +176,17 @@ class ContextPilot:
             See :mod:`contextpilot_integrations.shared`.
         cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
             than it is not indexed (see :mod:`.gain`).
-        plain_prompts: send a request that shares nothing and carries no recurring block
-            without labels, as without ContextPilot (``False``: every block labelled).
+        plain_prompts: send a request whose reordering does not pay as without ContextPilot
+            (``False``: every block labelled, the paper's form).
+        order_form: how a reordered request outside a conversation restates the ranking:
+            ``"positions"`` (default: each block is its text alone, the ranking restated by
+            position, so a block is the same text whether its request is reordered or not),
+            ``"moved"`` (only the blocks out of place), or ``"labels"`` (the paper's: every
+            block labelled, the ranking restated by label). A conversation always labels
+            its blocks: later turns refer to them by label.
+        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and
+            the annotation are weighed in the blocks' units; default: four characters a
+            token, rounded up.
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -172,6 +203,8 @@ class ContextPilot:
         shared: Any = None,
         cache_tokens: int | None = None,
         plain_prompts: bool = True,
+        order_form: Form = "positions",
+        token_counter: TokenCounter | None = None,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
@@ -180,6 +213,10 @@ class ContextPilot:
             check_count("cache_tokens", cache_tokens)
         self.cache_tokens = cache_tokens
         self.plain_prompts = plain_prompts
+        if order_form not in FORMS:
+            raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
+        self.order_form: Form = order_form
+        self.token_counter: TokenCounter = token_counter or estimate_tokens
         self.templates = templates or DEFAULT_TEMPLATES
         self.annotate_order = annotate_order
         self.max_live_requests = max_live_requests
@@ -194,6 +231,9 @@ class ContextPilot:
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._retention = Retention()  # how much of the predicted reuse the engine delivers
+        self._cooccurrence = Cooccurrence()  # what this traffic shows about later reuse
+        self._balance = Balance()  # what the sends bought, less what they cost
+        self._labelled_sends = 0  # requests sent labelled: a one-text request may follow their prefix
         self._id_prefix = f"{request_id_prefix}-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
         self._observers: list[Callable[..., None]] = []
@@ -288,7 +328,7 @@ class ContextPilot:
         request_id: str | None,
         planned_order: list[str] | None,
         batch_index: int | None = None,
-        chance: Callable[[str], float] | None = None,
+        chance: Chance | None = None,
         concurrent: bool = False,
     ) -> PreparedRequest:
         # decide everything first; record only once nothing can raise any more
@@ -312,12 +352,17 @@ class ContextPilot:
                 self._strategy.forget(rid)
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
-            order = planned_order if planned_order is not None else self._strategy.order(rid, keys)
             plain_ok = conversation_id is None and self.plain_prompts
-            choice = self._worth_it(order, keys, blocks, by_id, plain_ok, chance, concurrent)
+            if planned_order is None:
+                followed = self._strategy.order(rid, self._strategy_keys(keys, plain_ok))
+                planned_order = key_blocks(followed)
+            choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
             order, labels = choice.order, choice.labels
+            self._cooccurrence.record(order)
+            self._balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
-            indexed = order if labels else plain_keys(order)
+            indexed = labelled_keys(order) if labels else plain_keys(order)
+            self._labelled_sends += labels
             if choice.cached:
                 cached_blocks = self._trie.insert(rid, indexed)
                 self._live[rid] = next(self._ticks)
@@ -357,8 +402,14 @@ class ContextPilot:
             annotate_order=self.annotate_order,
             templates=self.templates,
             labels=labels,
+            order_form=self.order_form,
         )
         return prepared
+
+    def _strategy_keys(self, keys: list[str], plain_ok: bool) -> list[str]:
+        """The index keys the strategy orders by: the text alone (one text per block) unless
+        the blocks will carry labels (a conversation, the paper's form)."""
+        return plain_keys(keys) if plain_ok and self.order_form != "labels" else labelled_keys(keys)
 
     def _worth_it(
         self,
@@ -367,36 +418,50 @@ class ContextPilot:
         ranking: list[Block],
         by_id: dict[str, Block],
         plain_ok: bool,
-        chance: Callable[[str], float] | None,
+        query: str,
+        chance: Chance | None,
         concurrent: bool = False,
     ) -> Choice:
         """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
         keep their labels: later turns refer to them by label. ``chance``: that a later
-        request carries a block (default: the share of blocks that recur, for one that an
-        earlier request carried). ``concurrent``: part of a burst whose callers send at
-        once: nothing is bet on before the engine has served a prediction (the requests
-        it would follow are still in flight, and their order at the engine is nobody's)."""
-        sent = [by_id[key] for key in keys]
+        request carries a block after another (default: what this traffic showed, bet only
+        from what earlier sends bought; given for a batch sent in order: partners are sure).
+        ``concurrent``: part of a burst whose callers send at once: nothing is bet on before
+        the engine has served a prediction (the requests it would follow are still in
+        flight, and their order at the engine is nobody's)."""
         trie = self._trie
-        recur = self._strategy.recurrence()
-        if chance is None:
-            popularity = self._strategy.popularity
-
-            def chance(key: str) -> float:
-                return recur if popularity(key) > 1 else 0.0  # this request counted already
-
+        one_text = plain_ok and self.order_form != "labels"
+        count = self.token_counter
+        annotation = 0
+        if self.annotate_order and order != keys:
+            form: Form = self.order_form if one_text else "labels"
+            annotation = annotation_tokens(ranking, self.templates, [by_id[key] for key in order], form, count)
+        labelled = None
+        if one_text and self._labelled_sends:  # a conversation may have left labelled blocks cached
+            head = key_blocks(trie.best_prefix(labelled_keys(keys)))
+            if head:
+                taken = set(head)
+                onto = head + [key for key in order if key not in taken]
+                cost = label_tokens(ranking, self.templates, count)
+                if self.annotate_order and onto != keys:
+                    cost += annotation_tokens(ranking, self.templates, None, "labels", count)
+                labelled = (onto, cost)
         return choose_order(
             order,
             keys,
             {key: by_id[key].token_count for key in keys},
-            matched=lambda keys, labelled: trie.match_length(keys if labelled else plain_keys(keys)),
-            shared=chance,
-            annotation_cost=annotation_tokens(ranking, self.templates) if self.annotate_order and order != keys else 0,
-            label_cost=label_tokens(sent, self.templates),
+            matched=lambda keys, labelled: trie.match_length(labelled_keys(keys) if labelled else plain_keys(keys)),
+            chance=chance or self._cooccurrence.chance,
+            annotation_cost=annotation,
+            label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
+            form=self.order_form,
             cache_tokens=self.cache_tokens,
             plain_ok=plain_ok,
-            recur=recur,
             kept=self._retention.share_or(0.0 if concurrent else 1.0),
+            budget=math.inf if chance is not None and not concurrent else self._balance.budget,
+            retrieval_chance=self._cooccurrence.chance,
+            prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
+            labelled=labelled,
         )
 
     # ---- a batch ------------------------------------------------------------------------
@@ -446,20 +511,28 @@ class ContextPilot:
                 raise DuplicateRequestError("request ids repeat within the batch")
             self._reserved.update(ids)  # no concurrent prepare can take them meanwhile
         try:
+            plain_ok = [item.conversation_id is None and self.plain_prompts for item in items]
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
-            tokens = {block.id: block.token_count for blocks, _ in normalized for block in blocks}
+            followed = [(rid, self._strategy_keys(keys, ok)) for (rid, keys), ok in zip(batch, plain_ok, strict=True)]
+            tokens = {
+                key: block.token_count
+                for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
+                for key, block in zip(keys, blocks, strict=True)
+            }
             with _gc_paused():
-                planned = self._strategy.plan(batch, tokens)
+                planned = self._strategy.plan(followed, tokens)
+            orders = [key_blocks(order) for order in planned.orders]
             schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
-            chance: Callable[[str], float] | None = None
+            sizes = [sum(block.token_count for block in blocks) for blocks, _ in normalized]
+            chances: dict[int, Chance | None] = {}
             prepared: list[PreparedRequest] = []
             steps = tqdm(total=len(schedule), desc="planning", unit="req", disable=not progress)
             with steps:
                 for start in range(0, max(len(schedule), 1), _COMMIT_STEP):
                     with self._lock:
                         if start == 0:
-                            chance = self._batch_chance(batch, in_order)
-                            self._strategy.commit(planned, batch)
+                            chances = self._batch_chances(batch, schedule, orders, sizes, in_order)
+                            self._strategy.commit(planned, followed)
                         for index in schedule[start : start + _COMMIT_STEP]:
                             item, (blocks, merged) = items[index], normalized[index]
                             self._reserved.discard(ids[index])
@@ -471,9 +544,9 @@ class ContextPilot:
                                     item.conversation_id,
                                     kept_turns[index],
                                     ids[index],
-                                    planned.orders[index],
+                                    orders[index],
                                     index,
-                                    chance,
+                                    chances[index],
                                     not in_order,
                                 )
                             )
@@ -483,21 +556,37 @@ class ContextPilot:
             with self._lock:
                 self._reserved.difference_update(ids)
 
-    def _batch_chance(self, batch: Sequence[tuple[str, list[str]]], in_order: bool) -> Callable[[str], float]:
-        """That a later request carries a block, for a batch about to be counted: sure for a
-        block another request of a batch sent in order carries; else the share of blocks
-        that recur, for one that a request before this batch carried (in a concurrent
-        burst, a partner's prefix may not be computed before it is needed)."""
-        recur = self._strategy.recurrence()
-        keys = {key for _, order in batch for key in order}
-        seen = frozenset(key for key in keys if self._strategy.popularity(key) > 0)
-        carried = Counter(key for _, order in batch for key in set(order))
-        sure = frozenset(key for key, count in carried.items() if count > 1) if in_order else frozenset()
-
-        def chance(key: str) -> float:
-            return 1.0 if key in sure else recur if key in seen else 0.0
-
-        return chance
+    def _batch_chances(
+        self,
+        batch: Sequence[tuple[str, list[str]]],
+        schedule: Sequence[int],
+        orders: Sequence[list[str]],
+        sizes: Sequence[int],
+        in_order: bool,
+    ) -> dict[int, Chance | None]:
+        """Per request of a batch about to be counted: that a later request carries a block.
+        Sent in order, sure for a block a later request of the batch carries while the
+        cache still holds it (the tokens sent in between fit, when the cache size is known);
+        else what this traffic showed. ``None`` (bets paid from the balance only) for a
+        concurrent burst: a partner's prefix may not be computed before it is needed."""
+        if not in_order:
+            return dict.fromkeys(range(len(batch)))
+        room = self.cache_tokens
+        shown = self._cooccurrence.chance
+        chances: dict[int, Chance | None] = {}
+        sent_after = 0  # tokens of the requests after the current one (scanning backwards)
+        next_at: dict[str, int] = {}  # block -> tokens from the next request carrying it to the end
+        for index in reversed(schedule):
+            sure = frozenset(
+                key
+                for key in orders[index]
+                if key in next_at and (room is None or sent_after - next_at[key] + sizes[index] <= room)
+            )
+            chances[index] = _sure_or(sure, shown)
+            sent_after += sizes[index]
+            for key in orders[index]:
+                next_at[key] = sent_after
+        return chances
 
     async def aplan(
         self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
@@ -659,7 +748,7 @@ class ContextPilot:
         predicted cached blocks, if any."""
         with self._lock:
             if prepared.request_id in self._live:
-                return tuple(self._trie.shared_depths([block.id for block in prepared.blocks]))
+                return tuple(self._trie.shared_depths(index_keys(prepared)))
         return (prepared.cached_blocks,) if prepared.cached_blocks else ()
 
     def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
@@ -716,6 +805,7 @@ class ContextPilot:
         with self._lock:
             held = sum(block.token_count for block in prepared.blocks[:cached_blocks])
             self._retention.observe(prepared.cached_tokens, held)
+            self._balance.correct(held - prepared.cached_tokens)  # reuse counted as bought that never was
             stale = [rid for rid in self._trie.sharing_below(order, cached_blocks) if rid != prepared.request_id]
             # the engine evicts least recently used first: what entered before the newest
             # request of the lost path has most likely gone too (shared prefixes that newer
@@ -759,9 +849,11 @@ class ContextPilot:
             return self._conversations.end(conversation_id)
 
     def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
-        """Leading blocks of this send order the index predicts the engine holds."""
+        """Leading blocks of this send order the index predicts the engine holds, sent as
+        their text alone or labelled (whichever the engine holds more of)."""
+        ids = list(block_ids)
         with self._lock:
-            return self._trie.match_length(block_ids)
+            return max(self._trie.match_length(plain_keys(ids)), self._trie.match_length(labelled_keys(ids)))
 
     def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
         """Tokens of these blocks the engine could serve from its cache if this pilot
@@ -772,12 +864,13 @@ class ContextPilot:
         sizes = {block.id: block.token_count for block in normalized}
         keys = list(sizes)
         with self._lock:
-            if self._strategy.name == "retrieval":
-                head = keys[: self._trie.match_length(keys)]
-            else:
-                head = self._trie.best_prefix(keys)
-            plain = keys[: self._trie.match_length(plain_keys(keys))]
-        return max(sum(sizes[key] for key in head), sum(sizes[key] for key in plain))
+            heads = []
+            for indexed in (plain_keys(keys), labelled_keys(keys)):
+                if self._strategy.name == "retrieval":
+                    heads.append(keys[: self._trie.match_length(indexed)])
+                else:
+                    heads.append([key_block(key) for key in self._trie.best_prefix(indexed)])
+        return max(sum(sizes[key] for key in head) for head in heads)
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
         """The predicted engine state, one entry per cached block position, pre-order:
@@ -808,11 +901,11 @@ class ContextPilot:
         with self._lock:
             if request_id in self._live or request_id in self._reserved:
                 return False
-            blocks = [key.removeprefix(PLAIN) for key in order]  # sent plain or labelled, the same blocks
+            self._cooccurrence.record(key_blocks(order))
             if self._strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
-                self._strategy.commit(PlannedBatch([], []), [(request_id, blocks)])
+                self._strategy.commit(PlannedBatch([], []), [(request_id, order)])
             else:
-                self._strategy.order(request_id, blocks)  # the paper's tree learns the request
+                self._strategy.order(request_id, order)  # the paper's tree learns the request
             self._trie.insert(request_id, order)
             self._live[request_id] = next(self._ticks)
             self._orders[request_id] = tuple(order)
@@ -859,6 +952,7 @@ class ContextPilot:
                 cache_markers_placed=c.cache_markers,
                 cache_plans_skipped=dict(c.plans_skipped),
                 predicted_kept=self._retention.share_or(1.0),
+                send_balance=self._balance.value,
             )
 
     def check(self) -> None:
@@ -880,6 +974,13 @@ class ContextPilot:
             self._counters.evicted += 1
         while len(self._orders) > self.max_live_requests:
             self._orders.popitem(last=False)
+
+
+def _sure_or(sure: frozenset[str], shown: Chance) -> Chance:
+    def chance(previous: str | None, key: str) -> float:
+        return 1.0 if key in sure else shown(previous, key)
+
+    return chance
 
 
 @contextlib.contextmanager

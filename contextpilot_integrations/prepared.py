@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
-from .annotations import DEFAULT_TEMPLATES, Templates, render_block, render_order, render_reference
+from .annotations import (
+    DEFAULT_TEMPLATES,
+    Templates,
+    render_block,
+    render_order,
+    render_position_order,
+    render_reference,
+)
 from .blocks import Block
 
 __all__ = ["PreparedRequest", "Reference"]
@@ -52,20 +59,28 @@ class PreparedRequest:
     annotate_order: bool = True
     templates: Templates = field(default=DEFAULT_TEMPLATES, repr=False)
     labels: bool = True
-    """Whether the blocks carry their labels. False for a request sent exactly as without
-    ContextPilot (retriever's order, no annotation): one too large for the engine's cache."""
+    """Whether the blocks carry their labels. False: each block is its text alone, as
+    without ContextPilot (reordered, the annotation ranks them by position)."""
+    order_form: str = "positions"
+    """How the annotation restates the ranking of unlabelled blocks: ``"positions"`` (all
+    of them) or ``"moved"`` (those out of place); labelled blocks are ranked by label."""
 
     @property
     def order_annotation(self) -> str:
-        """The retriever's ranking restated by label; empty when disabled, or when the model
-        reads the blocks in the retriever's order anyway (a prompt without ContextPilot
-        carries no annotation, so neither does one ContextPilot did not reorder)."""
-        if not self.annotate_order or not self.ranking or not self.labels:
+        """The retriever's ranking restated (by label, or by position for blocks sent as
+        their text alone); empty when disabled, or when the model reads the blocks in the
+        retriever's order anyway (a prompt without ContextPilot carries no annotation, so
+        neither does one ContextPilot did not reorder)."""
+        if not self.annotate_order or not self.ranking:
             return ""
         read = [block.id for block in self.blocks] + [reference.block.id for reference in self.references]
         if read == [block.id for block in self.ranking]:
             return ""
-        return render_order(self.ranking, self.templates)
+        if self.labels:
+            return render_order(self.ranking, self.templates)
+        sent = {block.id for block in self.blocks}  # references (labelled requests only) have no position
+        ranking = [block for block in self.ranking if block.id in sent]
+        return render_position_order(ranking, self.blocks, self.templates, moved_only=self.order_form == "moved")
 
     @property
     def reordered(self) -> bool:

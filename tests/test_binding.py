@@ -148,7 +148,7 @@ def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     assert first.order_annotation == "" and "priority order" not in first.render()
     reordered = pilot.prepare(blocks("c", "a", "b", "d"), "q")
     assert [b.id for b in reordered.blocks][:3] == ["a", "b", "c"]
-    assert "[c] > [a] > [b] > [d]" in reordered.order_annotation
+    assert "#3 > #1 > #2 > #4" in reordered.order_annotation  # c, a, b, d by position
     chat = ContextPilot()
     chat.prepare(blocks("a"), "q", "c")
     later = chat.prepare(blocks("a", "b"), "q", "c")  # a is a reference after b: the order changed

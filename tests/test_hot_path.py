@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from contextpilot_integrations import Block, BlockTypeError, ContextPilot, DuplicateBlockError, InvalidBlockError
 from contextpilot_integrations.blocks import normalize_blocks
 from contextpilot_integrations.index.prefix_trie import PrefixTrie
+from contextpilot_integrations.index.strategies import make_strategy
 
 
 class Turn(enum.IntEnum):
@@ -143,12 +144,9 @@ def test_best_prefix_finds_what_the_reference_search_finds(ops: list[tuple[bool,
 
 
 def test_popular_blocks_go_first_and_ties_keep_retrieval_order() -> None:
-    pilot = ContextPilot()
-
-    def docs(*names: str) -> list[dict[str, str]]:  # about 100 tokens each: the reuse pays for the annotation
-        return [{"id": name, "text": f"{name} " * 100} for name in names]
-
-    for names in (["hot"], ["hot"], ["hot", "warm"]):
-        pilot.evict([pilot.prepare(docs(*names), "q").request_id])  # counted, then gone from the cache
-    sent = pilot.prepare(docs("n1", "warm", "n2", "hot", "n3"), "q")
-    assert [b.id for b in sent.blocks] == ["hot", "warm", "n1", "n2", "n3"]
+    """The trie strategy's order (a pilot sends it where the reuse pays, :mod:`.gain`)."""
+    strategy = make_strategy("trie", PrefixTrie())
+    for step, names in enumerate((["hot"], ["hot"], ["hot", "warm"])):
+        strategy.order(f"r{step}", names)  # counted; nothing of them is cached
+    sent = strategy.order("new", ["n1", "warm", "n2", "hot", "n3"])
+    assert sent == ["hot", "warm", "n1", "n2", "n3"]

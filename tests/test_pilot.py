@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 
 import pytest
@@ -41,7 +42,12 @@ def test_prepare_is_a_permutation_and_the_annotation_rebuilds_the_ranking(
         prepared = pilot.prepare(as_blocks(ids), "q")
         assert sorted(b.id for b in prepared.blocks) == sorted(str(i) for i in ids)
         # the model can rebuild the ranking: from the annotation, or (without one) from the order itself
-        labels = parse_order_annotation(prepared.order_annotation) or [b.label for b in prepared.blocks]
+        annotation = prepared.order_annotation
+        if prepared.labels:
+            labels = parse_order_annotation(annotation) or [b.label for b in prepared.blocks]
+        else:  # one text per block: the ranking restated by position
+            positions = [int(p) for p in re.findall(r"#(\d+)", annotation)]
+            labels = [prepared.blocks[p - 1].label for p in positions] or [b.label for b in prepared.blocks]
         assert labels == [str(i) for i in ids]
         assert prepared.cached_tokens <= prepared.block_tokens
     pilot.check()
@@ -122,7 +128,7 @@ def test_truncate_keeps_the_rest_of_a_prefix() -> None:
 def test_stats_and_bounded_live_requests() -> None:
     pilot = ContextPilot(max_live_requests=10)
     for i in range(25):
-        pilot.prepare(as_blocks([i, 100]), "q")
+        pilot.prepare(as_blocks([100, i]), "q")  # 100 leads every prompt: reused as sent
     stats = pilot.stats()
     assert stats.live_requests == 10 and stats.requests_evicted == 15 and stats.requests_prepared == 25
     assert stats.predicted_cached_blocks > 0 and 0 < stats.predicted_hit_ratio < 1

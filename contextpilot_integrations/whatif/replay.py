@@ -443,7 +443,8 @@ def serve_orders(
         if sorted(order) != sorted(by_id):
             raise ValueError(f"{request.id}: the send order is not a permutation of the request's blocks")
         ranking = tuple(by_id.values())
-        prepared = PreparedRequest(f"r{index}", request.question or "", tuple(by_id[b] for b in order), ranking=ranking)
+        sent = tuple(by_id[b] for b in order)  # as ContextPilot sends them: text alone, ranked by position
+        prepared = PreparedRequest(f"r{index}", request.question or "", sent, ranking=ranking, labels=False)
         own, block_tokens, _ = prompt_units(prepared, request, shape)
         prompt = _system(shape) + own
         tally.add(cache.request(prepared.request_id, prompt), block_tokens, 0)

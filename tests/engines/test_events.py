@@ -14,7 +14,7 @@ import pytest
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import EvictionListener
-from contextpilot_integrations.gain import PLAIN, plain_keys
+from contextpilot_integrations.gain import LABELLED, index_keys, key_block
 from tests.sglang_support import block_workload, build_cache, import_sglang, match_tokens, serve_tokens
 
 DEBUG = False
@@ -150,12 +150,12 @@ def test_index_follows_sglang_evictions(kind: str, monkeypatch: pytest.MonkeyPat
     pilot = ContextPilot()
 
     def sent_layout(keys: list[str]) -> tuple[list[int], list[int]]:
-        """Blocks sent without labels are other text than labelled ones: other token ids."""
+        """Labelled blocks are other text than blocks sent alone: other token ids."""
         tokens: list[int] = []
         ends = []
         for key in keys:
-            offset = 1_000_000 if key.startswith(PLAIN) else 0
-            tokens += [t + offset for t in tokens_of[int(key.removeprefix(PLAIN))]]
+            offset = 1_000_000 if key.startswith(LABELLED) else 0
+            tokens += [t + offset for t in tokens_of[int(key_block(key))]]
             ends.append(len(tokens))
         return tokens, ends
 
@@ -167,8 +167,7 @@ def test_index_follows_sglang_evictions(kind: str, monkeypatch: pytest.MonkeyPat
         for _ in range(200):
             chosen = list(dict.fromkeys(rng.choices(list(sizes), weights, k=rng.randint(2, 6))))
             prepared = pilot.prepare([blocks[b] for b in chosen], "q")
-            ids = [b.id for b in prepared.blocks]
-            tokens, ends = sent_layout(ids if prepared.labels else plain_keys(ids))
+            tokens, ends = sent_layout(index_keys(prepared))
             serve_tokens(cache, allocator, tokens)
             running.sink.track(prepared.request_id, tokens, ends)
             events = cache.take_events()

@@ -104,19 +104,18 @@ def test_every_prompt_token_is_counted() -> None:
         TraceRequest(id="3", blocks=("a", "b"), tokens=(100, 50)),
     ]
     result = replay(trace, "trie", "online", None, shape=SHAPE)
-    # prompts: system 5 + blocks 150 + question 7. The first shares nothing: sent plain, as
-    # without ContextPilot. The second carries blocks that recur: labelled ("[b] ", "[a] ": one
-    # token each), no reuse yet. The third reuses the first's plain prefix (labelling and
-    # reordering it onto the second's would cost the labels and the annotation)
-    assert (result.prompt_tokens, result.cached_tokens) == (162 + 164 + 162, 0 + 5 + 155)
-    assert result.block_tokens == 150 + 152 + 150 and result.max_prompt_tokens == 164
+    # prompts: system 5 + blocks 150 + question 7. The first shares nothing: sent as without
+    # ContextPilot. The second is reordered onto the first's prefix (one text per block: no
+    # labels; annotation off in this shape). The third is the first's order: it reuses it too
+    assert (result.prompt_tokens, result.cached_tokens) == (162 + 162 + 162, 0 + 155 + 155)
+    assert result.block_tokens == 150 + 150 + 150 and result.max_prompt_tokens == 162
     baseline = replay(trace, "retrieval", "online", None, shape=SHAPE)
     assert (baseline.prompt_tokens, baseline.cached_tokens) == (3 * 162, 0 + 5 + 155)  # no labels
-    # a fourth request is reordered onto the second's labelled prefix: its annotation is tokens too
-    trace.append(TraceRequest(id="4", blocks=("a", "b", "d"), tokens=(100, 50, 100)))
+    # a fourth request is reordered onto the shared prefix: its annotation is tokens too
+    trace.append(TraceRequest(id="4", blocks=("b", "a", "d"), tokens=(50, 100, 100)))
     without = replay(trace, "trie", "online", None, shape=SHAPE)
     with_annotation = replay(trace, "trie", "online", None, shape=PromptShape(5, 7, 11, annotate=True))
-    assert without.cached_tokens == with_annotation.cached_tokens == 160 + 5 + 152  # system, [b] b [a] a
+    assert without.cached_tokens == with_annotation.cached_tokens == 310 + 5 + 150  # system, a, b
     assert with_annotation.prompt_tokens > without.prompt_tokens
 
 

@@ -10,6 +10,9 @@ import time
 import warnings
 
 import pytest
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
 
 from contextpilot_integrations import ContextPilot, implicit
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server
@@ -34,16 +37,18 @@ def test_retriever_reorders_and_annotates_without_extra_documents() -> None:
     # it shares nothing yet: sent exactly as without ContextPilot (no labels, no annotation)
     assert format_documents(first) == "\n\n".join(d.page_content for d in first)
     compressor = ContextPilotCompressor(pilot=pilot)
-    # the same documents in another order recur: labelled, so that later requests can follow them
+    # the same documents in another order: sent in the order the first left cached, each one its
+    # text alone as the first sent it (one text per block), the ranking restated by position
     reversed_docs = compressor.compress_documents(list(reversed(first)), QUERY)
-    label = reversed_docs[0].metadata["contextpilot"]["label"]
-    assert format_documents(reversed_docs).startswith(f"[{label}] ")
-    # a third order is sent in the labelled one, and the ranking restated
-    rotated = compressor.compress_documents([*first[1:], first[0]], QUERY)
-    assert [d.id for d in rotated] == [d.id for d in reversed_docs]
-    text = format_documents(rotated)
+    assert [d.id for d in reversed_docs] == [d.id for d in first]
+    text = format_documents(reversed_docs)
+    assert text.startswith(format_documents(first))
+    annotation = reversed_docs[0].metadata["contextpilot"]["order_annotation"]
+    assert annotation == "Context in priority order, by position: #8 > #7 > #6 > #5 > #4 > #3 > #2 > #1."
+    assert text.endswith(annotation)
+    rotated = compressor.compress_documents([*first[1:], first[0]], QUERY)  # a third order: the same prefix
+    assert [d.id for d in rotated] == [d.id for d in first]
     assert rotated[0].metadata["contextpilot"]["order_annotation"]  # reordered: the ranking restated
-    assert text.index(f"[{label}] ") < text.index("priority order")
     again = retriever.invoke("Which crypto executive was accused of fraud?")
     assert len(again) == 8
 
@@ -110,3 +115,27 @@ def test_a_retriever_built_per_request_without_pilot_warns_and_leaks_no_broker_c
         while client_threads() > baseline and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client_threads() == baseline, "broker clients of dropped pilots still run"
+
+
+class FixedRetriever(BaseRetriever):
+    """A real LangChain retriever with fixed results per question (~100-token documents)."""
+
+    results: dict[str, list[str]]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return [Document(id=name, page_content=f"{name} is a document. " * 20) for name in self.results[query]]
+
+
+def test_two_overlapping_questions_share_the_prefix_the_first_left() -> None:
+    """Issue 29: q1 goes out as retrieved; q2 (d9 d2 d5 d3 d1) lines up with q1's d3 d1, the
+    same text as q1 sent them, where a labelled q2 used to share nothing with it."""
+    base = FixedRetriever(results={"q1": ["d3", "d1", "d7", "d5", "d9"], "q2": ["d9", "d2", "d5", "d3", "d1"]})
+    retriever = ContextPilotRetriever(base_retriever=base, pilot=ContextPilot())
+    q1 = retriever.invoke("q1")
+    assert [d.id for d in q1] == ["d3", "d1", "d7", "d5", "d9"] and format_documents(q1) == "\n\n".join(
+        d.page_content for d in q1
+    )
+    q2 = retriever.invoke("q2")
+    assert [d.id for d in q2][:2] == ["d3", "d1"]
+    assert format_documents(q2).startswith("\n\n".join(d.page_content for d in q1[:2]))
+    assert q2[0].metadata["contextpilot"]["order_annotation"]  # the ranking restated after the documents
