@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.hosted_usage import report_provider_served
 
@@ -360,7 +361,8 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
 
     A call that fails makes the pilot forget the request. Streaming reports usage, so
     ``usage_metadata["input_token_details"]["cache_read"]`` carries the server's cached
-    tokens for invoke, ainvoke, stream, astream and batch alike. A local server needs no
+    tokens for invoke, ainvoke, stream, astream and batch alike, from any number of event
+    loops (its async connections belong to the loop using them). A local server needs no
     API key (``SGLANG_API_KEY`` or ``"EMPTY"``; ``OPENAI_API_KEY`` is never sent to it).
     """
 
@@ -387,6 +389,19 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
         if isinstance(values, dict) and values.get("api_key") is None and values.get("openai_api_key") is None:
             values = {**values, "api_key": os.environ.get("SGLANG_API_KEY") or "EMPTY"}
         return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_client_for_every_event_loop(cls, values: Any) -> Any:
+        """Unless given a client (or a proxy): an async client whose connections belong to
+        the event loop using them, so the model answers from one ``asyncio.run`` after
+        another (stock ``ChatOpenAI`` shares one client bound to the first loop and gets by
+        on retries; this model does not retry)."""
+        if not isinstance(values, dict) or values.get("http_async_client") is not None:
+            return values
+        if values.get("async_client") is not None or values.get("openai_proxy") or os.environ.get("OPENAI_PROXY"):
+            return values
+        return {**values, "http_async_client": loop_local_async_client()}
 
     @classmethod
     def is_lc_serializable(cls) -> bool:
