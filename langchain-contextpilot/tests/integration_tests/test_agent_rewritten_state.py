@@ -120,22 +120,6 @@ def test_five_turns_with_a_rewritten_history_send_no_reference_without_its_text(
     assert all(REFERENCES_KEY not in json.dumps(body) for body in everything)  # bookkeeping never leaves
 
 
-def test_the_tool_result_of_the_call_reads_as_before_when_every_earlier_turn_is_sent() -> None:
-    """Without a rewrite, what leaves is what the pilot prepared: its references, byte for byte."""
-    pilot = ContextPilot()
-    with fake_anthropic() as fake:
-        model = ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x", max_retries=0)
-        agent = create_agent(
-            model, [search], middleware=[ContextPilotMiddleware(pilot=pilot)], checkpointer=InMemorySaver()
-        )
-        config = {"configurable": {"thread_id": "t"}}
-        for question in TURNS[:2]:
-            agent.invoke({"messages": [HumanMessage(question)]}, config)
-        last = "\n".join(message_texts(fake.requests[-1]))
-    assert last.count("Please refer to [") == pilot.stats().blocks_referenced > 0
-    assert pilot.stats().references_restored == 0
-
-
 def test_with_every_earlier_document_sent_a_tool_result_is_what_the_pilot_prepared() -> None:
     """The state keeps the text in full; the messages sent read exactly as prepared when the
     earlier result is among them, and in full when it is not."""
