@@ -67,7 +67,7 @@ class TestChatSGLangLive(_TinyModel, ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"model": "tiny", "base_url": _SERVER["url"], "max_retries": 0}
+        return {"model": "tiny", "base_url": _SERVER["url"], "max_retries": 0, "max_tokens": 8, "timeout": 600}
 
 
 class TestWrappedChatOpenAILive(_TinyModel, ChatModelIntegrationTests):
@@ -81,7 +81,7 @@ class TestWrappedChatOpenAILive(_TinyModel, ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        llm = ChatOpenAI(model="tiny", base_url=_SERVER["url"], api_key="x", temperature=0, max_tokens=100, timeout=60)
+        llm = ChatOpenAI(model="tiny", base_url=_SERVER["url"], api_key="x", temperature=0, max_tokens=8, timeout=600)
         return {"llm": llm, "engine": "sglang"}
 
 
