@@ -71,8 +71,9 @@ def test_postprocessor_passes_a_blank_node_through(index: VectorStoreIndex, llam
     engine = RetrieverQueryEngine.from_args(retriever, llm=llm(llama, bodies), node_postprocessors=[postprocessor])
     response = engine.query(QUESTION)
     assert str(response) != "Empty Response" and len(bodies.sent) == 1  # the call went through
-    sent = "\n".join(message_texts(bodies.sent[0]))
-    assert all(n.node.get_content() in sent for n in retriever.retrieve(QUESTION) if n.node.get_content().strip())
+    sent = " ".join("\n".join(message_texts(bodies.sent[0])).split())  # the QA prompt repacks whitespace
+    texts = [" ".join(n.node.get_content().split()) for n in retriever.retrieve(QUESTION)]
+    assert len([text for text in texts if text]) == 5 and all(text in sent for text in texts)
     assert pilot.stats().engine_requests == 1 and invariant_breaches(bodies.sent) == []
 
 
