@@ -319,8 +319,10 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         return self.llm
 
     def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Ask for usage in streams where the model takes ``stream_usage``."""
-        if "stream_usage" in inspect.signature(self.llm._stream).parameters:
+        """Ask for usage in streams where the model takes ``stream_usage`` (somewhere along its
+        classes: ``ChatOpenAI._stream`` passes ``**kwargs`` on to ``BaseChatOpenAI._stream``)."""
+        streams = [vars(cls)["_stream"] for cls in type(self.llm).__mro__ if "_stream" in vars(cls)]
+        if any("stream_usage" in inspect.signature(stream).parameters for stream in streams):
             return {"stream_usage": True, **kwargs}
         return kwargs
 
