@@ -11,6 +11,8 @@ PYTHON="${PYTHON:-python3}"
 VENV="$(realpath -m "${VENV:-.venv}")"  # absolute: pip builds sdists from other directories
 PY="$VENV/bin/python"
 ADAPTERS=(langchain-contextpilot llama-index-postprocessor-contextpilot)
+# the adapters' provider extras the tests drive (the combinations their READMEs name)
+declare -A ADAPTER_EXTRAS=([langchain-contextpilot]="[agents]" [llama-index-postprocessor-contextpilot]="[anthropic,openai]")
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # install once; again only when a pyproject.toml changed (editable: code changes need nothing)
@@ -25,7 +27,7 @@ setup() {
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     local targets=(-e ".[$extras]")
     if [ -n "$with_adapters" ]; then
-      for adapter in "${ADAPTERS[@]}"; do targets+=(-e "./$adapter"); done
+      for adapter in "${ADAPTERS[@]}"; do targets+=(-e "./$adapter${ADAPTER_EXTRAS[$adapter]:-}"); done
     fi
     "$PY" -m pip install --quiet "${targets[@]}"
     echo "$want" >"$stamp"

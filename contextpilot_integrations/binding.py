@@ -212,15 +212,24 @@ def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEM
 
 
 def message_texts(body: Mapping[str, Any]) -> list[str]:
-    """The texts of an OpenAI-style chat request body's messages, in order (the text parts
-    of a message whose content is a list of parts)."""
-    texts: list[str] = []
+    """The texts of a chat request body, in order: an OpenAI-style body's messages (the text
+    parts of a message whose content is a list of parts), and Anthropic's shape too (its
+    top-level ``system``, and the text inside ``tool_result`` blocks)."""
+    texts = _part_texts(body.get("system"))
     for message in body.get("messages") or ():
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [part.get("text", "") for part in content if isinstance(part, Mapping)]
+        texts += _part_texts(message.get("content"))
+    return texts
+
+
+def _part_texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    texts: list[str] = []
+    for part in content if isinstance(content, list) else ():
+        if not isinstance(part, Mapping):
+            continue
+        inner = part.get("content") if part.get("type") == "tool_result" else None
+        texts += _part_texts(inner) if inner is not None else [part.get("text", "")]
     return texts
 
 

@@ -15,6 +15,7 @@ from contextpilot_integrations.binding import (
     RunBinder,
     dangling_references,
     invariant_breaches,
+    message_texts,
     restore_references,
 )
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
@@ -181,3 +182,20 @@ def test_invariant_breaches_names_a_dangling_reference_and_a_repeated_id() -> No
     assert invariant_breaches([shown, referred, {"messages": []}]) == []  # a body without an id carries none
     alone = {"request_id": "a", "messages": [{"role": "user", "content": render_reference(block)}]}
     assert invariant_breaches([shown, alone]) == ["reference to [7] without its text", "request id 'a' sent 2 times"]
+
+
+def test_invariant_breaches_reads_anthropic_bodies_too() -> None:
+    """Anthropic's shape: the top-level system, and tool results' text inside their blocks."""
+    block = Block(id="7", text="seven")
+    in_system = {"system": [{"type": "text", "text": render_block(block)}], "messages": []}
+    in_tool_result = {
+        "system": "Answer.",
+        "messages": [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": render_block(block)}]},
+            {"role": "user", "content": [{"type": "tool_result", "content": [{"type": "text", "text": "x"}]}]},
+        ],
+    }
+    assert message_texts(in_tool_result) == ["Answer.", render_block(block), "x"]
+    referred = {"role": "user", "content": [{"type": "tool_result", "content": render_reference(block)}]}
+    assert invariant_breaches([{**in_system, "messages": [referred]}]) == []
+    assert invariant_breaches([{"messages": [referred]}]) == ["reference to [7] without its text"]

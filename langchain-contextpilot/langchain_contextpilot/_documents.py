@@ -8,7 +8,14 @@ from typing import Any
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableConfig, ensure_config
 
-from contextpilot_integrations import Block, BlockTypeError, PreparedRequest, content_id, render_block
+from contextpilot_integrations import (
+    Block,
+    BlockTypeError,
+    InvalidBlockError,
+    PreparedRequest,
+    content_id,
+    render_block,
+)
 
 CONVERSATION_KEYS = ("conversation_id", "thread_id", "session_id")
 METADATA_KEY = "contextpilot"
@@ -34,24 +41,37 @@ def document_id(document: Document) -> str | None:
     return str(block_id) if block_id else None
 
 
+def is_blank(document: Document) -> bool:
+    """A document with no text to show (empty or whitespace): nothing to order or send."""
+    return isinstance(document.page_content, str) and not document.page_content.strip()
+
+
 def to_blocks(documents: Sequence[Document]) -> list[Block]:
-    """The retrieved documents as blocks (same identity: the document id, else a content hash)."""
+    """The retrieved documents as blocks (same identity: the document id, else a content
+    hash). Blank documents are left out (:func:`in_send_order` passes them through)."""
     blocks = []
     for position, document in enumerate(documents):
         if not isinstance(document, Document):
             raise BlockTypeError(f"document #{position}: expected a Document, got {type(document).__name__}")
         if not isinstance(document.page_content, str):
             raise BlockTypeError(f"document #{position}: page_content must be str")
-        blocks.append(Block(id=document_id(document), text=document.page_content, metadata=document.metadata))
+        if is_blank(document):
+            continue
+        try:
+            blocks.append(Block(id=document_id(document), text=document.page_content, metadata=document.metadata))
+        except (BlockTypeError, InvalidBlockError) as exc:
+            raise type(exc)(f"document #{position} (id {document.id!r}): {exc}") from exc
     return blocks
 
 
 def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
     """The retrieved documents in send order (sent ones, then referenced ones), annotated in
-    ``metadata["contextpilot"]`` (never as an extra document)."""
+    ``metadata["contextpilot"]`` (never as an extra document); blank documents last, as
+    given (they carry no text, so where they go changes nothing the model reads)."""
     by_id: dict[str, Document] = {}
     for document in documents:
-        by_id.setdefault(document_id(document) or content_id(document.page_content), document)
+        if not is_blank(document):
+            by_id.setdefault(document_id(document) or content_id(document.page_content), document)
     shared = {
         "request_id": prepared.request_id,
         "order_annotation": prepared.order_annotation,
@@ -67,7 +87,7 @@ def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> l
         block = reference.block
         info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "text": None}
         out.append(_annotated(by_id[block.id], {**info, "reference": reference.text}))
-    return out
+    return out + [document for document in documents if is_blank(document)]
 
 
 def _annotated(document: Document, info: dict[str, Any]) -> Document:

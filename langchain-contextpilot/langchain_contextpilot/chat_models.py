@@ -28,6 +28,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.hosted_keys import ConversationKeys
 from contextpilot_integrations.hosted_plans import callers_cache_key
@@ -346,8 +347,10 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         return self.llm
 
     def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Ask for usage in streams where the model takes ``stream_usage``."""
-        if "stream_usage" in inspect.signature(self.llm._stream).parameters:
+        """Ask for usage in streams where the model takes ``stream_usage`` (somewhere along its
+        classes: ``ChatOpenAI._stream`` passes ``**kwargs`` on to ``BaseChatOpenAI._stream``)."""
+        streams = [vars(cls)["_stream"] for cls in type(self.llm).__mro__ if "_stream" in vars(cls)]
+        if any("stream_usage" in inspect.signature(stream).parameters for stream in streams):
             return {"stream_usage": True, **kwargs}
         return kwargs
 
@@ -403,7 +406,8 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
 
     A call that fails makes the pilot forget the request. Streaming reports usage, so
     ``usage_metadata["input_token_details"]["cache_read"]`` carries the server's cached
-    tokens for invoke, ainvoke, stream, astream and batch alike. A local server needs no
+    tokens for invoke, ainvoke, stream, astream and batch alike, from any number of event
+    loops (its async connections belong to the loop using them). A local server needs no
     API key (``SGLANG_API_KEY`` or ``"EMPTY"``; ``OPENAI_API_KEY`` is never sent to it).
     """
 
@@ -430,6 +434,19 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
         if isinstance(values, dict) and values.get("api_key") is None and values.get("openai_api_key") is None:
             values = {**values, "api_key": os.environ.get("SGLANG_API_KEY") or "EMPTY"}
         return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_client_for_every_event_loop(cls, values: Any) -> Any:
+        """Unless given a client (or a proxy): an async client whose connections belong to
+        the event loop using them, so the model answers from one ``asyncio.run`` after
+        another (stock ``ChatOpenAI`` shares one client bound to the first loop and gets by
+        on retries; this model does not retry)."""
+        if not isinstance(values, dict) or values.get("http_async_client") is not None:
+            return values
+        if values.get("async_client") is not None or values.get("openai_proxy") or os.environ.get("OPENAI_PROXY"):
+            return values
+        return {**values, "http_async_client": loop_local_async_client()}
 
     @classmethod
     def is_lc_serializable(cls) -> bool:

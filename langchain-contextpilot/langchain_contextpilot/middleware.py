@@ -5,10 +5,14 @@ pattern of ``langchain-anthropic``'s ``AnthropicPromptCachingMiddleware``):
 
 - **tool results**: a tool that returns documents as its artifact
   (``@tool(response_format="content_and_artifact")`` returning ``(text, documents)``) gets
-  its result rewritten by the pilot: shared documents first, and documents that an earlier
-  tool result *still in the agent's state* carries become location references (safe: the
-  state holds the history the model is sent; a reference whose text the messages sent do
-  not carry is put back in full before the call);
+  its result rewritten by the pilot: shared documents first, every document in full in the
+  agent's state; documents that an earlier tool result carries are marked as location
+  references to be;
+- **every model call**: a marked document goes out as its location reference only where
+  the very messages sent carry its text before it, so whatever rewrote the state
+  (``SummarizationMiddleware``, a ``before_model`` trimmer, a ``wrap_model_call`` trimmer
+  placed before this middleware), no reference ever leaves without its text, and the
+  summarizer reads every document in full;
 - **model calls**: the hosted provider's cache markers where the shared prefix ends
   (Anthropic ``cache_control``, Bedrock ``cachePoint``, OpenAI ``prompt_cache_key``; see
   :mod:`.cache_markers`), and the provider's cache reads and writes back to the pilot.
@@ -31,6 +35,7 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolM
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
+from contextpilot_integrations import PreparedRequest, content_id, render_block
 from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
 from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.hosted_keys import ConversationKeys
@@ -39,11 +44,11 @@ from contextpilot_integrations.hosted_usage import report_provider_served
 from contextpilot_integrations.implicit import own_pilot
 
 from . import cache_markers
-from ._documents import conversation_id_from_config, to_blocks
+from ._documents import conversation_id_from_config, is_blank, to_blocks
 from ._model_calls import _rebuilt, _segments
 from .chat_models import ContextPilotChatModel
 
-__all__ = ["REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware", "WrappedModelWarning"]
+__all__ = ["REFERENCES_KEY", "REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware", "WrappedModelWarning"]
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +56,9 @@ TURN_KEY = "contextpilot_turn"
 """Where a rewritten tool result records its conversation turn (``additional_kwargs``)."""
 REQUEST_KEY = "contextpilot_request"
 """Where a rewritten tool result records its prepared request's id (``additional_kwargs``)."""
+REFERENCES_KEY = "contextpilot_references"
+"""Where a rewritten tool result records its documents that may go out as references
+(``additional_kwargs``): ``[reference text, start, end, digest of content[start:end]]``."""
 MAX_PENDING = 1_000
 
 
@@ -104,7 +112,8 @@ class ContextPilotMiddleware(AgentMiddleware):
             return None
         artifact = result.artifact
         if isinstance(artifact, list) and artifact and all(isinstance(item, Document) for item in artifact):
-            return artifact
+            # blank documents show nothing: left out of the text; none but blank ones: the result as is
+            return None if all(is_blank(item) for item in artifact) else artifact
         return None
 
     def _rewritten(self, request: ToolCallRequest, result: ToolMessage, documents: list[Document]) -> ToolMessage:
@@ -125,12 +134,13 @@ class ContextPilotMiddleware(AgentMiddleware):
             self._pending[prepared.request_id] = binding
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
+        content, spans = _written_out(prepared)
         extra = {**result.additional_kwargs, REQUEST_KEY: prepared.request_id}
         if prepared.turn is not None:
             extra[TURN_KEY] = prepared.turn
-        return result.model_copy(
-            update={"content": prepared.render(include_question=False), "additional_kwargs": extra}
-        )
+        if spans:
+            extra[REFERENCES_KEY] = spans
+        return result.model_copy(update={"content": content, "additional_kwargs": extra})
 
     def wrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]]
@@ -168,9 +178,15 @@ class ContextPilotMiddleware(AgentMiddleware):
         self._check_model(request.model)
         binding, rid = self._take(request.messages)
         system = [request.system_message] if request.system_message is not None else []
-        messages: list[BaseMessage] = [*system, *request.messages]
+        messages, written = _as_sent([*system, *request.messages])
         if binding is None:
-            return self._keyed(request, messages), None, None, None
+            history: dict[str, Any] = {"messages": messages[len(system) :]}
+            return self._keyed(request.override(**history), messages), None, None, None
+        # the documents of this call's tool result that went out in full after all
+        full = written.get(rid or "", [])
+        binding.pilot.note_restored(
+            binding.prepared, [ref.block.id for ref in binding.prepared.references if ref.text in full]
+        )
         segments, places = _segments(messages)
         binding = checked_for_sending(binding, segments)  # every reference resolvable in what is sent
         messages = _rebuilt(messages, segments, places)
@@ -290,3 +306,53 @@ class ContextPilotMiddleware(AgentMiddleware):
             raise
         self._report(binding, provider, response)
         return response
+
+
+def _written_out(prepared: PreparedRequest) -> tuple[str, list[list[Any]]]:
+    """A tool result's text with every document in full (what the agent's state keeps), and
+    where each document that an earlier turn carries sits in it: ``[reference text, start,
+    end, digest]``. With every such document replaced by its reference, the text is
+    ``prepared.render(include_question=False)``."""
+    templates = prepared.templates
+    pieces: list[str] = []
+    spans: list[list[Any]] = []
+    length = 0
+    for text, reference in [
+        *((render_block(block, templates, prepared.labels), None) for block in prepared.blocks),
+        *((render_block(ref.block, templates), ref.text) for ref in prepared.references),
+        *(((prepared.order_annotation, None),) if prepared.order_annotation else ()),
+    ]:
+        length += len(templates.separator) if pieces else 0
+        if reference is not None:
+            spans.append([reference, length, length + len(text), content_id(text)])
+        pieces.append(text)
+        length += len(text)
+    return templates.separator.join(pieces), spans
+
+
+def _as_sent(messages: list[BaseMessage]) -> tuple[list[BaseMessage], dict[str, list[str]]]:
+    """The messages as they leave for the model: in each rewritten tool result, a document
+    that an earlier message *of these very messages* carries in full becomes its location
+    reference; any other stays in full. Returns copies where that changed a message, and
+    per tool result (its request id) the reference texts written out in full instead."""
+    out = list(messages)
+    written: dict[str, list[str]] = {}
+    before: list[str] = []  # the texts sent ahead of the message at hand
+    for index, message in enumerate(out):
+        spans = message.additional_kwargs.get(REFERENCES_KEY) if isinstance(message, ToolMessage) else None
+        content = message.content
+        if spans and isinstance(content, str):
+            pieces, cursor = [], 0
+            for reference, start, end, digest in sorted(spans, key=lambda span: span[1]):
+                target = content[start:end]
+                if start < cursor or content_id(target) != digest:  # the text was edited since: leave it
+                    continue
+                if any(target in text for text in before):
+                    pieces += [content[cursor:start], reference]
+                    cursor = end
+                else:
+                    written.setdefault(str(message.additional_kwargs.get(REQUEST_KEY)), []).append(reference)
+            if cursor:
+                out[index] = message.model_copy(update={"content": "".join([*pieces, content[cursor:]])})
+        before += _segments([out[index]])[0]
+    return out, written

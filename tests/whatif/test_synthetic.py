@@ -145,7 +145,6 @@ def _prefill(trace: list, mode: Mode, fraction: float) -> tuple[int, int]:
     return without.prefill_tokens, ours.prefill_tokens
 
 
-@pytest.mark.xfail(strict=False, reason="issue 29 rule: see branch rule")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(
     spec=families(),

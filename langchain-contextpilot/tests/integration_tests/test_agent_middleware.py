@@ -80,7 +80,8 @@ def test_agent_on_anthropic_deduplicates_across_turns_and_marks_the_tool_results
         assert len(bodies) == 4  # per turn: the tool call, then the answer after the tool result
         check_no_dangling_and_references_used(bodies, pilot)
         tool_messages = [m for m in states[-1]["messages"] if isinstance(m, ToolMessage)]
-        assert len(tool_messages) == 2 and "Please refer to [" in str(tool_messages[1].content)
+        assert len(tool_messages) == 2 and "Please refer to [" not in str(tool_messages[1].content)  # state: in full
+        assert "Please refer to [" in "\n".join(texts(bodies[3]))  # sent: as references
         marks = [json.dumps(body).count('"cache_control"') for body in bodies]
         assert marks[1] >= 1 and marks[3] >= 1 and max(marks) <= 4  # the calls after a tool result
         usage = pilot.stats().provider_usage["anthropic"]

@@ -11,7 +11,7 @@ from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from contextpilot_integrations import Block, PreparedRequest
+from contextpilot_integrations import Block, BlockTypeError, InvalidBlockError, PreparedRequest
 from contextpilot_integrations.binding import prepare_bound
 from contextpilot_integrations.implicit import own_pilot
 
@@ -42,12 +42,27 @@ class ContextPilotEvent(BaseEvent):
         return "ContextPilotEvent"
 
 
+def _text(item: NodeWithScore) -> str:
+    return item.node.get_content(metadata_mode=MetadataMode.NONE) or ""
+
+
+def is_blank(item: NodeWithScore) -> bool:
+    """A node with no text to show (empty or whitespace): nothing to order or send."""
+    return not _text(item).strip()
+
+
 def to_blocks(nodes: Sequence[NodeWithScore]) -> list[Block]:
-    """Nodes as blocks: the node id is the identity, the text (no metadata) the content."""
-    return [
-        Block(id=item.node.node_id, text=item.node.get_content(metadata_mode=MetadataMode.NONE) or " ", metadata={})
-        for item in nodes
-    ]
+    """Nodes as blocks: the node id is the identity, the text (no metadata) the content.
+    Blank nodes are left out (:func:`in_send_order` passes them through)."""
+    blocks = []
+    for position, item in enumerate(nodes):
+        if is_blank(item):
+            continue
+        try:
+            blocks.append(Block(id=item.node.node_id, text=_text(item), metadata={}))
+        except (BlockTypeError, InvalidBlockError) as exc:
+            raise type(exc)(f"node #{position} (id {item.node.node_id!r}): {exc}") from exc
+    return blocks
 
 
 def emit(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> None:
@@ -64,8 +79,9 @@ def emit(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> None:
 
 
 def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
-    """Copies of the nodes in send order, labelled; originals (and the docstore) untouched."""
-    by_id = {item.node.node_id: item for item in nodes}
+    """Copies of the nodes in send order, labelled; originals (and the docstore) untouched.
+    Blank nodes last, as given (no text: where they go changes nothing the LLM reads)."""
+    by_id = {item.node.node_id: item for item in nodes if not is_blank(item)}
     out = []
     for block in [*prepared.blocks, *(r.block for r in prepared.references)]:
         item = by_id[block.id]
@@ -77,7 +93,7 @@ def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> 
         node.metadata = {**item.node.metadata, key: block.label}
         node.excluded_embed_metadata_keys = [*item.node.excluded_embed_metadata_keys, key]
         out.append(NodeWithScore(node=node, score=item.score))
-    return out
+    return out + [item for item in nodes if is_blank(item)]
 
 
 class ContextPilotPostprocessor(BaseNodePostprocessor):

@@ -31,6 +31,7 @@ from llama_index.llms.openai_like import OpenAILike
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.hosted_keys import ConversationKeys
 from contextpilot_integrations.hosted_plans import callers_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
@@ -345,6 +346,10 @@ class SGLangLLM(_Reports, OpenAILike):
         # retry with its id is refused (SGLang: "Duplicate request ID"); retry the query,
         # which prepares its request afresh
         kwargs.setdefault("max_retries", 0)
+        # and so an async client whose connections belong to the event loop using them: the
+        # LLM answers from one asyncio.run after another (a shared pool dies with its loop)
+        if kwargs.get("async_http_client") is None and kwargs.get("async_openai_client") is None:
+            kwargs["async_http_client"] = loop_local_async_client()
         super().__init__(**kwargs)
         span_binder()
 
