@@ -128,3 +128,48 @@ def test_gunicorn_preload_workers_share_one_index(broker: NatsServer) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(10)
+
+
+def test_gunicorn_workers_building_a_pilot_per_request_leak_no_broker_client(
+    broker: NatsServer,
+) -> None:
+    """Issue 31, item 11, deployed: a handler that builds its integration per request without
+    ``pilot=`` under ``gunicorn --preload`` with ``CONTEXTPILOT_SHARED`` set. Each request's own
+    pilot opens a broker client; once the pilot is dropped its client stops, so a worker runs
+    only the preloaded pilot's client however many requests it served, and a worker warns
+    (``ImplicitPilotWarning``) that such pilots reuse nothing."""
+    port, workers, requests = free_port(), 2, 40
+    env = {
+        **os.environ,
+        "CONTEXTPILOT_TEST_BROKER": broker.url,
+        "CONTEXTPILOT_SHARED": broker.url,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "tests.shared.gunicorn_app:app", "--preload", "-w", str(workers),
+         "-b", f"127.0.0.1:{port}", "--chdir", str(ROOT), "--timeout", "60", "--graceful-timeout", "5"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get(port, "/prepare?n=0")
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "gunicorn did not start"
+                time.sleep(0.2)
+        answers = [get(port, f"/per_request?n={n}") for n in range(requests)]
+        assert len({answer["pid"] for answer in answers}) >= 1
+        leaked = [answer for answer in answers if answer["clients"] > 1]  # the preloaded pilot's, once used
+        assert not leaked, f"broker clients of dropped pilots still run: {leaked[:3]}"
+        assert any("ImplicitPilotWarning" in answer["warnings"] for answer in answers)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
