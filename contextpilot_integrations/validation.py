@@ -3,7 +3,8 @@ plans): one definition, so each refuses the same inputs with the same message.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import BlockTypeError
 
@@ -14,6 +15,7 @@ __all__ = [
     "check_kept_turns",
     "check_query",
     "check_request_id",
+    "unknown_argument",
 ]
 
 MAX_BLOCKS = 262_144
@@ -64,3 +66,15 @@ def check_kept_turns(kept_turns: object) -> frozenset[int] | None:
         if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
             raise TypeError(f"kept_turns must hold turn numbers (ints >= 0), got {turn!r}")
     return frozenset(turns)
+
+
+def unknown_argument(owner: str, name: str, known: Sequence[str], pilot_hint: str) -> str:
+    """Why a framework class refuses the argument ``name`` (a misspelt field is never silently
+    ignored), and what was probably meant; ``pilot=`` gets ``pilot_hint``: who takes the pilot."""
+    if name == "pilot":
+        hint = f": the pilot belongs to {pilot_hint}"
+    else:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
+    return f"{owner} got an unknown argument {name!r}{hint}"
+

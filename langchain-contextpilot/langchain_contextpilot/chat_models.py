@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import difflib
 import inspect
 import logging
 import os
@@ -33,6 +32,7 @@ from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.hosted_keys import ConversationKeys
 from contextpilot_integrations.hosted_plans import callers_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
+from contextpilot_integrations.validation import unknown_argument
 
 from . import _binding, _model_calls, cache_markers
 from ._model_calls import BINDING_KWARG, PROMPT_IDS_KEY
@@ -376,16 +376,11 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
 def _unknown_argument(cls: type, name: str) -> str:
     """Why ``name`` is refused, and what was probably meant."""
     known = sorted(cls.model_fields)  # type: ignore[attr-defined]
-    if name == "pilot":
-        hint = (
-            ": the pilot belongs to the component that prepares the request (ContextPilotRetriever, "
-            "ContextPilotCompressor, ConversationalRAG, ContextPilotMiddleware); the model takes "
-            "that request from its invocation"
-        )
-    else:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
-    return f"{cls.__name__} got an unknown argument {name!r}{hint}"
+    pilot_hint = (
+        "the component that prepares the request (ContextPilotRetriever, ContextPilotCompressor, "
+        "ConversationalRAG, ContextPilotMiddleware); the model takes that request from its invocation"
+    )
+    return unknown_argument(cls.__name__, name, known, pilot_hint)
 
 
 class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):

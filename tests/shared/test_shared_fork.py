@@ -13,6 +13,7 @@ import time
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +95,16 @@ def every_worker(port: int, workers: int) -> dict[int, dict[str, Any]]:
     return seen
 
 
-def test_gunicorn_preload_workers_share_one_index(broker: NatsServer) -> None:
-    port, workers = free_port(), 3
-    env = {**os.environ, "CONTEXTPILOT_TEST_BROKER": broker.url, "PYTHONPATH": os.pathsep.join(sys.path)}
+@contextmanager
+def gunicorn_preloaded(broker: NatsServer, workers: int, **env: str) -> Iterator[int]:
+    """``tests/shared/gunicorn_app`` under ``gunicorn --preload`` (its pilot made in the master,
+    before the fork), serving once ``/prepare?n=0`` answered; yields its port, stops it after."""
+    port = free_port()
+    environment = {**os.environ, "CONTEXTPILOT_TEST_BROKER": broker.url, "PYTHONPATH": os.pathsep.join(sys.path), **env}
     server = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "tests.shared.gunicorn_app:app", "--preload", "-w", str(workers),
          "-b", f"127.0.0.1:{port}", "--chdir", str(ROOT), "--timeout", "60", "--graceful-timeout", "5"],
-        env=env,
+        env=environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -113,6 +117,19 @@ def test_gunicorn_preload_workers_share_one_index(broker: NatsServer) -> None:
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, "gunicorn did not start"
                 time.sleep(0.2)
+        yield port
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+
+
+def test_gunicorn_preload_workers_share_one_index(broker: NatsServer) -> None:
+    workers = 3
+    with gunicorn_preloaded(broker, workers) as port:
         served_by = {get(port, f"/prepare?n={n}")["pid"] for n in range(1, 30)}
         every_worker(port, workers)  # each sends what it prepared
         states = every_worker(port, workers)
@@ -121,13 +138,6 @@ def test_gunicorn_preload_workers_share_one_index(broker: NatsServer) -> None:
             assert state["flushed"] and state["caught_up"] and state["connected"] is True, state
             assert state["live"] == expected, f"worker {pid} (served {pid in served_by}) misses other workers' requests"
         assert len({state["origin"] for state in states.values()}) == workers, "workers share one identity"
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
 
 
 def test_gunicorn_workers_building_a_pilot_per_request_leak_no_broker_client(
@@ -138,38 +148,8 @@ def test_gunicorn_workers_building_a_pilot_per_request_leak_no_broker_client(
     pilot opens a broker client; once the pilot is dropped its client stops, so a worker runs
     only the preloaded pilot's client however many requests it served, and a worker warns
     (``ImplicitPilotWarning``) that such pilots reuse nothing."""
-    port, workers, requests = free_port(), 2, 40
-    env = {
-        **os.environ,
-        "CONTEXTPILOT_TEST_BROKER": broker.url,
-        "CONTEXTPILOT_SHARED": broker.url,
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "tests.shared.gunicorn_app:app", "--preload", "-w", str(workers),
-         "-b", f"127.0.0.1:{port}", "--chdir", str(ROOT), "--timeout", "60", "--graceful-timeout", "5"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                get(port, "/prepare?n=0")
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "gunicorn did not start"
-                time.sleep(0.2)
-        answers = [get(port, f"/per_request?n={n}") for n in range(requests)]
-        assert len({answer["pid"] for answer in answers}) >= 1
+    with gunicorn_preloaded(broker, 2, CONTEXTPILOT_SHARED=broker.url) as port:
+        answers = [get(port, f"/per_request?n={n}") for n in range(40)]
         leaked = [answer for answer in answers if answer["clients"] > 1]  # the preloaded pilot's, once used
         assert not leaked, f"broker clients of dropped pilots still run: {leaked[:3]}"
         assert any("ImplicitPilotWarning" in answer["warnings"] for answer in answers)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)

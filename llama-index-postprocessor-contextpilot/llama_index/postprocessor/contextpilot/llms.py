@@ -8,7 +8,6 @@ and other OpenAI-compatible engines (``llama-index-llms-sglang`` talks to
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -35,6 +34,7 @@ from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.hosted_keys import ConversationKeys
 from contextpilot_integrations.hosted_plans import callers_cache_key
 from contextpilot_integrations.hosted_usage import report_provider_served
+from contextpilot_integrations.validation import unknown_argument
 
 from . import _llm_calls, cache_points
 from ._binding import span_binder, take
@@ -299,15 +299,11 @@ class ContextPilotLLM(_Reports, LLM):
 
 def _unknown_argument(cls: str, name: str, known: list[str]) -> str:
     """Why ``name`` is refused, and what was probably meant."""
-    if name == "pilot":
-        hint = (
-            ": the pilot belongs to the component that prepares the request (ContextPilotPostprocessor, "
-            "ContextPilotChatEngine); the LLM takes that request from its query"
-        )
-    else:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
-    return f"{cls} got an unknown argument {name!r}{hint}"
+    pilot_hint = (
+        "the component that prepares the request (ContextPilotPostprocessor, ContextPilotChatEngine); "
+        "the LLM takes that request from its query"
+    )
+    return unknown_argument(cls, name, known, pilot_hint)
 
 
 class SGLangLLM(_Reports, OpenAILike):
