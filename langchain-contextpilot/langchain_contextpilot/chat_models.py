@@ -252,6 +252,9 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     """The hosted API whose prompt cache to mark: ``openai``, ``anthropic``, ``bedrock``,
     ``gemini``; ``"auto"``: from the wrapped class (``ChatOpenAI`` only at OpenAI's own
     URL); ``None``: no markers. See :mod:`.cache_markers`."""
+    stop: list[str] | None = None
+    """Stop sequences for every call that passes none (LangChain's standard ``stop``
+    parameter, as on the wrapped model)."""
     _keys: ConversationKeys = PrivateAttr(default_factory=ConversationKeys)
     """The OpenAI key each conversation was first sent under (its later turns keep it)."""
 
@@ -355,22 +358,28 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         return kwargs
 
     def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
-        return self.llm._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
+        return self.llm._generate(messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **kwargs)
 
     async def _asend(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
     ) -> ChatResult:
-        return await self.llm._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
+        return await self.llm._agenerate(
+            messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **kwargs
+        )
 
     def _send_stream(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
     ) -> Iterator[ChatGenerationChunk]:
-        return self.llm._stream(messages, stop=stop, run_manager=run_manager, **self._stream_kwargs(kwargs))
+        return self.llm._stream(
+            messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **self._stream_kwargs(kwargs)
+        )
 
     def _asend_stream(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
     ) -> AsyncIterator[ChatGenerationChunk]:
-        return self.llm._astream(messages, stop=stop, run_manager=run_manager, **self._stream_kwargs(kwargs))
+        return self.llm._astream(
+            messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **self._stream_kwargs(kwargs)
+        )
 
 
 def _unknown_argument(cls: type, name: str) -> str:
