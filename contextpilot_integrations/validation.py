@@ -77,4 +77,3 @@ def unknown_argument(owner: str, name: str, known: Sequence[str], pilot_hint: st
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
     return f"{owner} got an unknown argument {name!r}{hint}"
-
