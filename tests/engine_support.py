@@ -1,18 +1,22 @@
-"""The real prefix-caching engine for the tests (``whatif.llama_server``), or a skip.
+"""The real prefix-caching engine for the tests (``whatif.llama_server``), or a skip; and
+:func:`serve_quietly` for the stand-ins of broken or hostile servers.
 
 Set ``CONTEXTPILOT_REQUIRE_ENGINE=1`` (CI does) to fail instead of skip without a binary.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
 
-__all__ = ["LlamaServer", "free_port", "start_llama_server", "start_llama_servers"]
+__all__ = ["LlamaServer", "free_port", "serve_quietly", "start_llama_server", "start_llama_servers"]
 
 
 def start_llama_server(workdir: Path, extra_args: tuple[str, ...] = (), **options: int) -> LlamaServer:
@@ -21,3 +25,24 @@ def start_llama_server(workdir: Path, extra_args: tuple[str, ...] = (), **option
 
 def start_llama_servers(workdir: Path, count: int, **options: int) -> AbstractContextManager[list[LlamaServer]]:
     return tiny_llama_servers(workdir, pytest.skip, count, **options)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # clients hang up on purpose here
+
+
+@contextmanager
+def serve_quietly(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 in a thread (clients that hang up are no error); yields
+    its base URL."""
+    server = _QuietServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -8,17 +8,16 @@ made to send these). Cancellation is tested against the real llama-server.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.engines import EngineError, EngineHTTPError, EngineUnavailable, OpenAICompatClient
-from tests.engine_support import LlamaServer, start_llama_server
+from tests.engine_support import LlamaServer, serve_quietly, start_llama_server
 
 GOOD_USAGE = b'"usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}'
 CHUNK = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
@@ -71,22 +70,11 @@ class _Misbehaving(BaseHTTPRequestHandler):
         pass
 
 
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # clients hang up on purpose here
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """MisbehavingEngine: a stand-in for a broken server, on 127.0.0.1."""
-    server = _QuietServer(("127.0.0.1", 0), _Misbehaving)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_quietly(_Misbehaving) as url:
+        yield url
 
 
 def prepared_in_conversation(pilot: ContextPilot) -> object:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from contextpilot_integrations.engines import (
     Target,
 )
 from contextpilot_integrations.engines.sink import KvEventSink
+from tests.engine_support import serve_quietly
 
 DRIP_S = 0.5
 DRIP_FOR_S = 12.0  # long enough that a call the deadline does not end is caught
@@ -103,22 +103,11 @@ class _Dripping(BaseHTTPRequestHandler):
         pass
 
 
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # clients hang up on purpose here
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """DrippingEngine: a stand-in for a slow or hostile server, on 127.0.0.1."""
-    server = _QuietServer(("127.0.0.1", 0), _Dripping)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_quietly(_Dripping) as url:
+        yield url
 
 
 DOCS = [Block(id="a", text="alpha " * 30), Block(id="b", text="beta " * 30)]
