@@ -16,6 +16,7 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.binding import invariant_breaches
 from contextpilot_integrations.errors import CacheKeyWarning
 from contextpilot_integrations.whatif.fake_openai import fake_openai
 from contextpilot_integrations.whatif.fake_providers import fake_anthropic
@@ -51,6 +52,7 @@ def test_markers_of_anthropic_cache_idx_count_before_ours() -> None:
         counts = [json.dumps(body).count('"cache_control"') for body in fake.requests]
         assert completed == 3, f"markers per body: {counts}"
         assert all(1 <= count <= 4 for count in counts) and max(counts) > 1
+        assert invariant_breaches(fake.requests) == []  # every reference with its text
 
 
 def test_a_prompt_cache_key_in_additional_kwargs_is_sent_and_ours_is_left_out_with_a_warning() -> None:
@@ -67,6 +69,7 @@ def test_a_prompt_cache_key_in_additional_kwargs_is_sent_and_ours_is_left_out_wi
             for query in QUERIES:
                 query_engine.query(query)
         assert [body.get("prompt_cache_key") for body in fake.requests] == ["tenant-A"] * len(QUERIES)
+        assert invariant_breaches(fake.requests) == []
 
 
 def test_every_turn_of_a_chat_goes_under_one_key() -> None:
@@ -80,6 +83,7 @@ def test_every_turn_of_a_chat_goes_under_one_key() -> None:
         other = ContextPilotChatEngine.from_defaults(retriever=WordRetriever(), llm=llm, pilot=ContextPilot())
         chat_turns(other, TURNS[:1])  # another chat, another first request
         assert fake.requests[-1].get("prompt_cache_key")
+        assert invariant_breaches(fake.requests) == []
 
 
 def test_a_misspelt_argument_is_refused() -> None:
