@@ -16,9 +16,11 @@ and how many markers the messages already carry; the plan and OpenAI's
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from .binding import Binding
 from .errors import CacheKeyWarning
@@ -28,9 +30,11 @@ from .providers.cache_key import ROUTING_TOKENS
 
 __all__ = [
     "MAX_MARKERS",
+    "MarkedCall",
     "callers_cache_key",
     "carried_markers",
     "conversation_cache_key",
+    "mark_bound_call",
     "markers_left",
     "plan_bound_call",
     "with_cache_key",
@@ -40,6 +44,9 @@ MAX_MARKERS = 4
 """Cache markers a request may carry (Anthropic ``cache_control``, Bedrock ``cachePoint``,
 OpenAI ``prompt_cache_breakpoint``): a fifth is refused with HTTP 400."""
 _TOOL_MARKERS = {"anthropic": ("cache_control",), "bedrock": ("cachePoint", "cache_control")}
+
+M = TypeVar("M")
+"""A framework's message type."""
 
 
 def carried_markers(provider: str, *, tools: Iterable[Any] = (), settings: Iterable[Mapping[str, Any]] = ()) -> int:
@@ -159,3 +166,36 @@ def _warn_kept(callers: str) -> None:
         CacheKeyWarning,
         stacklevel=3,
     )
+
+
+@dataclass(frozen=True)
+class MarkedCall(Generic[M]):
+    """The messages to send (copies, markers written), the call's extra arguments, and the
+    plan they follow: what an adapter's marking function returns."""
+
+    messages: list[M]
+    kwargs: dict[str, Any]
+    plan: CachePlan
+    placed: int
+    """Markers written (block markers and the history marker)."""
+
+
+def mark_bound_call(
+    binding: Binding,
+    messages: list[M],
+    kwargs: dict[str, Any],
+    mark: Callable[[], MarkedCall[M]],
+    log: logging.Logger,
+) -> tuple[list[M], dict[str, Any]]:
+    """Plan and write one bound call's cache markers (``mark``: the adapter's own, in its
+    message types) and count the plan in the request's pilot. A model or request the rules
+    do not cover (``mark`` raises ``TypeError`` or ``ValueError``) is sent unmarked, with a
+    warning on the adapter's ``log``, and counts nothing: a marker is an optimisation, never
+    a reason to fail the call. Returns the messages and arguments to send."""
+    try:
+        marked = mark()
+    except (TypeError, ValueError) as exc:
+        log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
+        return messages, kwargs
+    binding.pilot.note_cache_plan(marked.plan)
+    return marked.messages, marked.kwargs

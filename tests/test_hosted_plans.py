@@ -4,13 +4,23 @@ key kept (bounded, thread-safe)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 
 import pytest
 
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import callers_cache_key, carried_markers, markers_left
+from contextpilot_integrations.hosted_plans import (
+    MarkedCall,
+    callers_cache_key,
+    carried_markers,
+    mark_bound_call,
+    markers_left,
+    plan_bound_call,
+)
 
 MARK = {"type": "ephemeral"}
 
@@ -56,3 +66,35 @@ def test_concurrent_first_requests_of_a_conversation_agree() -> None:
     for thread in threads:
         thread.join()
     assert len(set(got)) == 1
+
+
+def test_a_marked_call_is_counted_and_one_the_rules_do_not_cover_goes_out_unmarked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pilot = ContextPilot()
+    blocks = [Block(id=str(i), text=f"document {i} " * 400) for i in range(3)]
+    pilot.prepare(blocks, "q0")
+    binding = Binding(pilot, pilot.prepare(blocks, "q1"))
+    messages, kwargs = ["the prompt"], {"temperature": 0}
+    plan = plan_bound_call(binding, "anthropic", "claude-sonnet-4-5", history_tokens=0, max_breakpoints=4)
+    assert plan.markers
+    sent = mark_bound_call(
+        binding,
+        messages,
+        kwargs,
+        lambda: MarkedCall(["the prompt, marked"], {"x": 1}, plan, plan.markers),
+        logging.getLogger("adapter"),
+    )
+    assert sent == (["the prompt, marked"], {"x": 1})
+    assert pilot.stats().cache_markers_placed == plan.markers
+
+    def uncovered() -> MarkedCall[str]:
+        raise ValueError("no rules for model 'unknown'")
+
+    with caplog.at_level(logging.WARNING, logger="adapter"):
+        unmarked = mark_bound_call(binding, messages, kwargs, uncovered, logging.getLogger("adapter"))
+    assert unmarked == (messages, kwargs)
+    assert pilot.stats().cache_markers_placed == plan.markers  # counted nothing
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("adapter", f"no cache markers for request {binding.prepared.request_id!r}: no rules for model 'unknown'")
+    ]

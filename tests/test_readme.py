@@ -1,7 +1,7 @@
-"""Every Python block of the three READMEs runs as written and on its own (a reader pastes
-one block into a fresh interpreter), against a real llama-server standing in for the
-documented ``http://127.0.0.1:30000`` server (the only substitution). The printed output is
-what the comments say."""
+"""Every Python block of the three READMEs and of the documentation pages (``docs/*.md``)
+runs as written and on its own (a reader pastes one block into a fresh interpreter), against
+a real llama-server standing in for the documented ``http://127.0.0.1:30000`` server (the only
+substitution). The printed output is what the comments say."""
 
 from __future__ import annotations
 
@@ -21,7 +21,18 @@ READMES = [
     ROOT / "langchain-contextpilot" / "README.md",
     ROOT / "llama-index-postprocessor-contextpilot" / "README.md",
 ]
+PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCUMENTED_SERVER = "http://127.0.0.1:30000"
+# what the blocks of a page print, as their comments say (checked on the page that holds them)
+DOCUMENTED_OUTPUT = {
+    ROOT / "README.md": (
+        "['545', '26', '700']",
+        "['901']",
+        "Context in priority order: [26] > [545] > [901].",
+        "['545', '26', '901'] 2",
+    ),
+    ROOT / "docs" / "frameworks.md": ("'cache_read'", "reports: 1\n"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,25 +46,36 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.S)
 
 
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_python_block_runs(readme: Path, llama: LlamaServer) -> None:
-    blocks = python_blocks(readme)
-    assert blocks, f"{readme} has no Python block"
+def run_blocks(path: Path, server: LlamaServer) -> str:
+    """Run every Python block of ``path``, each in a fresh namespace; what they printed."""
     printed = io.StringIO()
-    for number, block in enumerate(blocks, start=1):
-        code = compile(block.replace(DOCUMENTED_SERVER, llama.url), f"{readme.name}, block {number}", "exec")
+    for number, block in enumerate(python_blocks(path), start=1):
+        code = compile(block.replace(DOCUMENTED_SERVER, server.url), f"{path.name}, block {number}", "exec")
         with contextlib.redirect_stdout(printed):
             exec(code, {"__name__": f"readme_block_{number}"})  # a fresh namespace: each block alone
-    if readme.name == "README.md" and readme.parent == ROOT:
-        out = printed.getvalue()
-        for documented in (
-            "['545', '26', '700']",
-            "['901']",
-            "Context in priority order: [26] > [545] > [901].",
-            "['545', '26', '901'] 2",
-            "'cache_read'",
-            "reports: 1\n",
-        ):
-            assert documented in out
+    return printed.getvalue()
+
+
+def check_documented_output(path: Path, out: str) -> None:
+    for documented in DOCUMENTED_OUTPUT.get(path, ()):
+        assert documented in out
+    if path == ROOT / "docs" / "frameworks.md":
         references = re.search(r"references: (\d+)", out)
         assert references and int(references.group(1)) > 0
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_runs(readme: Path, llama: LlamaServer) -> None:
+    assert python_blocks(readme), f"{readme} has no Python block"
+    check_documented_output(readme, run_blocks(readme, llama))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_of_the_docs_pages_runs(page: Path, llama: LlamaServer) -> None:
+    check_documented_output(page, run_blocks(page, llama))
+
+
+def test_the_pages_that_print_what_they_document_have_blocks() -> None:
+    assert PAGES, "docs/ has no page"
+    for path, documented in DOCUMENTED_OUTPUT.items():
+        assert python_blocks(path) and documented, f"{path} lost its Python blocks"

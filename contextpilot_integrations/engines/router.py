@@ -714,9 +714,10 @@ class RoutingClient:
 
     Args:
         router: the routing state.
-        model, timeout, deadline, api_key: for every target's
-            :class:`~.client.OpenAICompatClient`; ``deadline`` bounds a whole call, every
-            failover included.
+        model: for every target's :class:`~.client.OpenAICompatClient`.
+        timeout: for every target's client.
+        deadline: for every target's client; it bounds a whole call, every failover included.
+        api_key: for every target's client.
         sinks: per target name, the event sink (``listener.sink``) of that engine, if any;
             targets without one get usage feedback from their cached-token reports.
     """

@@ -119,10 +119,11 @@ class ZmqEventSubscriber:
         heartbeat: if set (seconds) and there is a replay socket, a silence this long asks it
             for anything after the last batch: a lost last batch is noticed without waiting
             for the next one.
-        max_batch_blocks, max_batch_bytes: a batch naming more blocks
+        max_batch_blocks: a batch naming more blocks
             (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, the HTTP listener's
-            bound too), or larger, is refused before it is validated or reaches the sink:
-            its events are lost, so the index is reset.
+            bound too) is refused before it is validated or reaches the sink: its events
+            are lost, so the index is reset.
+        max_batch_bytes: likewise, a batch larger than this.
     """
 
     def __init__(

@@ -105,7 +105,8 @@ class SharedOptions:
         snapshot_interval: seconds between this worker's snapshots (0: never).
         max_unsent: entries kept while the broker is unreachable (the oldest dropped after).
         batch_entries: entries per message at most.
-        user, password: the broker's user credentials (or in the URL, ``nats://user:pw@host:port``).
+        user: the broker's user name (or in the URL, ``nats://user:pw@host:port``).
+        password: that user's password (or in the URL).
         token: the broker's authentication token.
         creds: path of a NATS ``.creds`` file (a user JWT and its nkey: decentralised auth).
         nkey_seed: path of an nkey seed file (nkey auth).

@@ -23,7 +23,6 @@ on the messages, on a bound tool definition, and ``ChatAnthropic``'s top-level
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
@@ -32,8 +31,7 @@ from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import markers_left, plan_bound_call, with_cache_key
-from contextpilot_integrations.providers import CachePlan
+from contextpilot_integrations.hosted_plans import MarkedCall, markers_left, plan_bound_call, with_cache_key
 
 __all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage", "text_of"]
 
@@ -81,17 +79,6 @@ def raw_usage(message: Any, provider: str | None) -> Any:
     return raw if provider == "openai" and isinstance(raw, dict) and "prompt_tokens" in raw else message
 
 
-@dataclass(frozen=True)
-class MarkedCall:
-    """The messages to send, the call's extra arguments, and the plan they follow."""
-
-    messages: list[BaseMessage]
-    kwargs: dict[str, Any]
-    plan: CachePlan
-    placed: int
-    """Markers written (block markers and the history marker)."""
-
-
 def mark_messages(
     provider: str,
     model: str | None,
@@ -104,7 +91,7 @@ def mark_messages(
     settings: Sequence[Mapping[str, Any]] = (),
     callers_key: str | None = None,
     keys: ConversationKeys | None = None,
-) -> MarkedCall:
+) -> MarkedCall[BaseMessage]:
     """The plan for ``binding``'s request on ``provider``, written on copies of ``messages``
     (and into ``kwargs`` for OpenAI). The caller's messages are never changed.
 

@@ -30,7 +30,7 @@ from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import callers_cache_key
+from contextpilot_integrations.hosted_plans import callers_cache_key, mark_bound_call
 from contextpilot_integrations.hosted_usage import report_provider_served
 from contextpilot_integrations.validation import unknown_argument
 
@@ -309,8 +309,11 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         provider = self._hosted()
         if binding is None or provider is None:
             return binding, sent, kwargs
-        try:
-            marked = cache_markers.mark_messages(
+        sent, kwargs = mark_bound_call(
+            binding,
+            sent,
+            kwargs,
+            lambda: cache_markers.mark_messages(
                 provider,
                 cache_markers.model_name(self.llm),
                 binding,
@@ -319,12 +322,10 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
                 settings=[getattr(self.llm, "model_kwargs", None) or {}],
                 callers_key=callers_cache_key(kwargs, self.llm),
                 keys=self._keys,
-            )
-        except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
-            _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
-            return binding, sent, kwargs
-        binding.pilot.note_cache_plan(marked.plan)
-        return binding, marked.messages, marked.kwargs
+            ),
+            _log,
+        )
+        return binding, sent, kwargs
 
     def _after(self, binding: Binding | None, message: Any) -> None:
         provider = self._hosted()

@@ -39,7 +39,7 @@ from contextpilot_integrations import PreparedRequest, content_id, render_block
 from contextpilot_integrations.binding import Binding, checked_for_sending, prepare_bound
 from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import callers_cache_key, conversation_cache_key
+from contextpilot_integrations.hosted_plans import callers_cache_key, conversation_cache_key, mark_bound_call
 from contextpilot_integrations.hosted_usage import report_provider_served
 from contextpilot_integrations.implicit import own_pilot
 
@@ -193,8 +193,11 @@ class ContextPilotMiddleware(AgentMiddleware):
         provider = self._resolve(request.model)
         settings = dict(request.model_settings)
         if provider is not None:
-            try:
-                marked = cache_markers.mark_messages(
+            messages, settings = mark_bound_call(
+                binding,
+                messages,
+                settings,
+                lambda: cache_markers.mark_messages(
                     provider,
                     cache_markers.model_name(request.model),
                     binding,
@@ -205,12 +208,9 @@ class ContextPilotMiddleware(AgentMiddleware):
                     settings=[self._model_kwargs(request.model)],
                     callers_key=callers_cache_key(settings, getattr(request.model, "llm", request.model)),
                     keys=self._keys,
-                )
-            except (TypeError, ValueError) as exc:
-                _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
-            else:
-                binding.pilot.note_cache_plan(marked.plan)
-                messages, settings = marked.messages, marked.kwargs
+                ),
+                _log,
+            )
         head = messages[0] if system else None
         overrides: dict[str, Any] = {"messages": messages[len(system) :], "model_settings": settings}
         if isinstance(head, SystemMessage):

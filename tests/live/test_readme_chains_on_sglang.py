@@ -1,5 +1,6 @@
-"""The LangChain and LlamaIndex chains of the READMEs, run once against live SGLang (CPU,
-tiny model) instead of the documented ``http://127.0.0.1:30000`` (the only substitution).
+"""The LangChain chains of ``docs/frameworks.md`` and the LlamaIndex chain of its README, run
+once against live SGLang (CPU, tiny model) instead of the documented
+``http://127.0.0.1:30000`` (the only substitution).
 
 What the engine saw comes from its own request log (``--log-requests``, JSON, one line
 per finished request with its ``rid`` and ``cached_tokens``): every request the pilot
@@ -110,7 +111,7 @@ def assert_reached_sglang(pilots: list[ContextPilot], sglang: Sglang) -> int:
 
 
 def test_the_langchain_chains_of_the_readme_run_against_sglang(sglang: Sglang) -> None:
-    blocks = readme_blocks(ROOT / "README.md", "ChatSGLang(model=")
+    blocks = readme_blocks(ROOT / "docs" / "frameworks.md", "ChatSGLang(model=")  # moved from the README
     assert len(blocks) >= 2  # the LCEL chain and ConversationalRAG
     pilots = [p for block in blocks for p in pilots_in(run_block(block, sglang.engine.url))]
     assert len(pilots) == len(blocks)

@@ -17,7 +17,6 @@ Every marker the request carries besides ours counts against Anthropic's limit o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessage, MessageRole, TextBlock
@@ -26,8 +25,7 @@ from contextpilot_integrations.annotations import render_block
 from contextpilot_integrations.binding import Binding
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import markers_left, plan_bound_call, with_cache_key
-from contextpilot_integrations.providers import CachePlan
+from contextpilot_integrations.hosted_plans import MarkedCall, markers_left, plan_bound_call, with_cache_key
 
 __all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
 
@@ -53,12 +51,8 @@ def model_name(llm: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-@dataclass(frozen=True)
-class MarkedChat:
-    messages: list[ChatMessage]
-    kwargs: dict[str, Any]
-    plan: CachePlan
-    placed: int
+MarkedChat = MarkedCall[ChatMessage]
+"""The messages to send, the call's extra arguments, and the plan they follow."""
 
 
 def mark_chat(

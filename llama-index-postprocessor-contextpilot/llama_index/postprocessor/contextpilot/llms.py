@@ -32,7 +32,7 @@ from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import callers_cache_key
+from contextpilot_integrations.hosted_plans import callers_cache_key, mark_bound_call
 from contextpilot_integrations.hosted_usage import report_provider_served
 from contextpilot_integrations.validation import unknown_argument
 
@@ -191,8 +191,11 @@ class ContextPilotLLM(_Reports, LLM):
         provider = self._hosted()
         if binding is None or provider is None:
             return binding, sent, kwargs
-        try:
-            marked = cache_points.mark_chat(
+        sent, kwargs = mark_bound_call(
+            binding,
+            sent,
+            kwargs,
+            lambda: cache_points.mark_chat(
                 provider,
                 cache_points.model_name(self.llm),
                 binding,
@@ -202,12 +205,10 @@ class ContextPilotLLM(_Reports, LLM):
                 cache_idx=getattr(self.llm, "cache_idx", None),
                 callers_key=callers_cache_key(kwargs, self.llm),
                 keys=self._keys,
-            )
-        except (TypeError, ValueError) as exc:  # a model or request the rules do not cover: send unmarked
-            _log.warning("no cache markers for request %r: %s", binding.prepared.request_id, exc)
-            return binding, sent, kwargs
-        binding.pilot.note_cache_plan(marked.plan)
-        return binding, marked.messages, marked.kwargs
+            ),
+            _log,
+        )
+        return binding, sent, kwargs
 
     def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
         provider = self._hosted()
