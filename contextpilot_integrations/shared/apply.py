@@ -21,21 +21,19 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..validation import MAX_BLOCKS
 from .entries import Entry
-
-if TYPE_CHECKING:
-    from ..pilot import ContextPilot
+from .replica import Replica
 
 __all__ = ["Applier"]
 
 
 class Applier:
-    """Applies entries to one pilot and keeps the bounded set of evicted ids."""
+    """Applies entries to one pilot (a :class:`~.replica.Replica`) and keeps the bounded set of evicted ids."""
 
-    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000, max_origins: int = 100_000) -> None:
+    def __init__(self, pilot: Replica, max_tombstones: int = 200_000, max_origins: int = 100_000) -> None:
         self._pilot = weakref.ref(pilot)  # the pilot owns its client, not the reverse: dropped, it is collected
         self.max_tombstones = max_tombstones
         self._tombstones: OrderedDict[str, None] = OrderedDict()
@@ -48,8 +46,12 @@ class Applier:
         """Entries that are not about the index (a router's ``stick``): kind -> handler,
         called with the entry's fields (its time left off), for other workers' entries."""
 
+    def on(self, kind: str, handler: Callable[..., None]) -> None:
+        """Hand other workers' entries of ``kind`` (not about the index) to ``handler``."""
+        self.handlers[kind] = handler
+
     @property
-    def pilot(self) -> ContextPilot:
+    def pilot(self) -> Replica:
         pilot = self._pilot()
         if pilot is None:
             raise ReferenceError("the pilot was dropped")

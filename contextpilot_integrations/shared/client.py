@@ -30,16 +30,15 @@ import time
 import urllib.parse
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SharedSettingsError
 from ..validation import MAX_BLOCKS
 from .apply import Applier
 from .entries import Batch, Entry, block_count, decode_batch, encode_batch, encode_entry, seal, unseal
-
-if TYPE_CHECKING:
-    from ..pilot import ContextPilot
+from .replica import LockOf, Replica
 
 __all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "redact"]
 
@@ -192,8 +191,9 @@ class SharedIndex:
     own, with its own identity, started when the child first uses the pilot.
     """
 
-    def __init__(self, pilot: ContextPilot, options: SharedOptions) -> None:
+    def __init__(self, pilot: Replica, options: SharedOptions, lock_of: LockOf | None = None) -> None:
         self._pilot = weakref.ref(pilot)
+        self._lock_of = lock_of
         self.options = options
         self.origin = secrets.token_hex(6)
         self.applier = Applier(pilot)
@@ -255,8 +255,13 @@ class SharedIndex:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def pilot(self) -> ContextPilot:
+    def pilot(self) -> Replica:
         return self.applier.pilot
+
+    def on(self, kind: str, handler: Callable[..., None]) -> None:
+        """Hand other workers' entries of ``kind`` published with :meth:`publish` to ``handler``
+        (called with the entry's fields, on this client's thread)."""
+        self.applier.on(kind, handler)
 
     def _at_exit(self) -> None:
         self.close(timeout=2.0)
@@ -273,8 +278,8 @@ class SharedIndex:
     # ---- fork ----------------------------------------------------------------------------------
     def _hold(self) -> list[Any]:
         """Before a fork: take the locks the client thread takes, so the child gets them free."""
-        pilot = self.applier._pilot()
-        locks: list[Any] = [pilot._lock] if pilot is not None else []
+        pilot_lock = self._lock_of() if self._lock_of is not None else None
+        locks: list[Any] = [pilot_lock] if pilot_lock is not None else []
         locks.append(self.applier._lock)
         for lock in locks:
             lock.acquire()
@@ -313,7 +318,7 @@ class SharedIndex:
 
     def publish(self, kind: str, *details: Any) -> None:
         """Publish an entry that is not an index event (a router's ``("stick",
-        conversation_id, target)``); other workers hand it to ``applier.handlers[kind]``."""
+        conversation_id, target)``); other workers hand it to the handler given to :meth:`on`."""
         self._observe(kind, *details)
 
     def status(self) -> dict[str, Any]:
