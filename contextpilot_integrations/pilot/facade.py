@@ -20,17 +20,15 @@ from ..annotations import DEFAULT_TEMPLATES, Templates
 from ..blocks import BlockLike, normalize_blocks
 from ..conversations import ConversationStore
 from ..gain import FORMS, Form, TokenCounter, estimate_tokens
-from ..index.prefix_trie import PrefixTrie
-from ..index.strategies import Strategy, make_strategy
 from ..prepared import PreparedRequest
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderUsage
 from ..usage import check_token_count, check_usage
-from ..validation import check_conversation_id, check_count, check_kept_turns, check_query, check_request_id
-from .planner import BatchItem, Outlook, Planner
+from ..validation import check_count
+from .planner import BatchItem, Planner
 from .reports import Reports
-from .state import EngineState
-from .stats import Counters, PilotStats
+from .state import EngineState, checked_ids, checked_order
+from .stats import PilotStats
 from .wiring import share
 
 if TYPE_CHECKING:
@@ -48,29 +46,25 @@ class ContextPilot:
         strategy: ``"trie"`` (default), ``"paper"`` or ``"retrieval"`` (no reordering).
         templates: prompt templates for blocks, references and annotations.
         annotate_order: add the order annotation that restates the retriever's ranking.
-        max_live_requests: bound on requests tracked in the index; the oldest are
-            forgotten first (use eviction events to stay exact).
-        conversation_ttl: seconds after which an idle conversation is forgotten
-            (``None``: never).
+        max_live_requests: bound on requests tracked in the index; the oldest are forgotten first
+            (use eviction events to stay exact).
+        conversation_ttl: seconds after which an idle conversation is forgotten (``None``: never).
         max_conversations: bound on conversations tracked (least recently used go first).
         request_id_prefix: prefix of generated request ids.
         shared: share this index with other workers through a broker: a URL such as
             ``"nats://127.0.0.1:4222"`` or :class:`~contextpilot_integrations.shared.SharedOptions`
             (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
-            See :mod:`contextpilot_integrations.shared`.
-        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
-            than it is not indexed (see :mod:`.gain`).
+        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger than it
+            is not indexed (see :mod:`.gain`).
         plain_prompts: send a request whose reordering does not pay as without ContextPilot
             (``False``: every block labelled, the paper's form).
         order_form: how a reordered request outside a conversation restates the ranking:
-            ``"positions"`` (default: each block is its text alone, the ranking restated by
-            position, so a block is the same text whether its request is reordered or not),
-            ``"moved"`` (only the blocks out of place), or ``"labels"`` (the paper's: every
-            block labelled, the ranking restated by label). A conversation always labels
-            its blocks: later turns refer to them by label.
-        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and
-            the annotation are weighed in the blocks' units; default: four characters a
-            token, rounded up.
+            ``"positions"`` (default: each block is its text alone, the ranking restated by position,
+            so a block is the same text whether its request is reordered or not), ``"moved"`` (only
+            the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
+            restated by label). A conversation always labels its blocks: later turns refer to them.
+        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
+            annotation are weighed in the blocks' units; default: four characters a token, rounded up.
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -97,41 +91,25 @@ class ContextPilot:
             check_count("cache_tokens", cache_tokens)
         if order_form not in FORMS:
             raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
-        self.cache_tokens = cache_tokens
-        self.plain_prompts = plain_prompts
-        self.order_form: Form = order_form
+        self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
         self.token_counter: TokenCounter = token_counter or estimate_tokens
-        self.templates = templates or DEFAULT_TEMPLATES
-        self.annotate_order = annotate_order
+        self.templates, self.annotate_order = templates or DEFAULT_TEMPLATES, annotate_order
         self.max_live_requests = max_live_requests
-        self._trie: PrefixTrie[str] = PrefixTrie()
-        self._strategy: Strategy = make_strategy(strategy, self._trie, **strategy_options)
+        self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
+        self._trie, self._strategy = self._state.trie, self._state.strategy
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
         self._lock: Any = threading.RLock()
-        counters, outlook = Counters(), Outlook()
-        self._state = EngineState(self._strategy, self._trie, max_live_requests, counters, request_id_prefix)
-        self._planner = Planner(
-            self._state,
-            self._conversations,
-            outlook,
-            counters,
-            templates=self.templates,
-            annotate_order=annotate_order,
-            plain_prompts=plain_prompts,
-            order_form=order_form,
-            token_counter=self.token_counter,
-            cache_tokens=cache_tokens,
-        )
-        self._reports = Reports(self._state, self._conversations, outlook, counters)
+        settings = (self.templates, annotate_order, plain_prompts, order_form, self.token_counter, cache_tokens)
+        self._planner = Planner(self._state, self._conversations, *settings)
+        self._reports = Reports(self._state, self._conversations, self._planner.outlook)
         self.shared: SharedIndex | None = share(self, shared)
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
 
     def add_observer(self, observer: Callable[..., None]) -> None:
         """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds:
-        ``("sent", request_id, block_ids, token_counts)``, ``("evicted", request_ids)``,
-        ``("truncated", request_id, cached_blocks)``, ``("restored", request_id, cached_blocks)``,
-        ``("reset",)``. It runs under the pilot's lock: it must be quick and must not raise
-        (the shared-state client only queues the entry)."""
+        ``("sent", request_id, block_ids, token_counts)``, ``("evicted", request_ids)``, ``("truncated",
+        request_id, cached_blocks)``, ``("restored", request_id, cached_blocks)``, ``("reset",)``. It runs
+        under the pilot's lock: it must be quick and must not raise (the shared client only queues it)."""
         with self._lock:
             self._state.observers = [*self._state.observers, observer]
 
@@ -143,7 +121,6 @@ class ContextPilot:
     def strategy(self) -> str:
         return self._strategy.name
 
-    # ---- prepare and plan (:mod:`.planner`) -----------------------------------------------------
     def prepare(
         self,
         blocks: Iterable[BlockLike],
@@ -158,22 +135,16 @@ class ContextPilot:
         Args:
             blocks: the retrieved blocks, best first (or with ``rank`` set).
             query: the user's question.
-            conversation_id: blocks already sent in this conversation become location
-                references (while the turn that carried them is kept).
-            kept_turns: the earlier turns (0-based) still in the history you send;
-                ``None`` means all of them.
+            conversation_id: blocks already sent in this conversation become location references
+                (while the turn that carried them is kept).
+            kept_turns: the earlier turns (0-based) still in the history you send; ``None``: all.
             request_id: your own id for the engine; generated when omitted.
 
         Raises:
-            InvalidBlockError, BlockTypeError: a block is empty, not text, or an id is
-                given twice with different texts. Nothing is recorded then.
+            InvalidBlockError, BlockTypeError: a block is empty, not text, or an id is given twice
+                with different texts. Nothing is recorded then.
         """
-        normalized, merged = normalize_blocks(blocks)
-        check_query(query)
-        check_conversation_id(conversation_id)
-        kept = check_kept_turns(kept_turns)
-        with self._lock:
-            return self._planner.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
+        return self._planner.prepare(self._lock, blocks, query, conversation_id, kept_turns, request_id)
 
     async def aprepare(
         self,
@@ -190,14 +161,11 @@ class ContextPilot:
     def plan(
         self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
     ) -> list[PreparedRequest]:
-        """Offline mode: order every request of a batch and schedule the batch.
+        """Offline mode: order every request of a batch and schedule the batch, off the lock.
 
-        Returns the prepared requests in send order; each keeps its own query and its
-        position in the input as ``batch_index``. Turns of one conversation keep their
-        relative order. ``in_order``: the caller sends them in that order (``False`` for
-        concurrent callers, :class:`~.batching.MicroBatcher`; see :meth:`.Planner.plan`).
-        The batch is planned outside the lock, so concurrent :meth:`prepare` calls are not
-        held up by a long plan.
+        Returns the prepared requests in send order, each with its position in the input as
+        ``batch_index``; a conversation's turns keep their order. ``in_order``: the caller
+        sends them in that order (``False`` for concurrent callers; see :meth:`.Planner.plan`).
 
         Raises:
             InvalidBlockError, BlockTypeError, DuplicateRequestError: for any bad request
@@ -211,35 +179,24 @@ class ContextPilot:
         """Async variant of :meth:`plan`, run in a worker thread."""
         return await asyncio.to_thread(self.plan, list(requests), progress=progress, in_order=in_order)
 
-    # ---- engine state (:mod:`.state`) ---------------------------------------------------------
     def evict(self, request_ids: Iterable[str]) -> int:
         """The engine no longer holds these requests' prefixes; unknown ids are ignored.
         Returns how many of the ids were live."""
-        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in request_ids:
-            if not isinstance(rid, str):
-                raise TypeError(f"request ids must be str, got {type(rid).__name__}")
+        ids = checked_ids(request_ids)
         with self._lock:
-            return self._state.evict(request_ids)
+            return self._state.evict(ids)
 
     def truncate(self, request_id: str, cached_blocks: int) -> bool:
-        """The engine now holds only the first ``cached_blocks`` blocks of this request.
-
-        Partial evictions keep the rest of the request's prefix predictable; 0 drops it
-        (its order is remembered, so :meth:`restore` can bring it back). Returns whether
-        the request was live.
-        """
+        """The engine now holds only the first ``cached_blocks`` blocks of this request (0: none;
+        its order is remembered, so :meth:`restore` can bring it back). Returns whether it was live."""
         check_count("cached_blocks", cached_blocks)
         with self._lock:
             return self._state.truncate(request_id, cached_blocks)
 
     def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
-        """The engine holds (again) the first ``cached_blocks`` blocks of this request.
-
-        Eviction events can overtake the store events of the same blocks; when the engine
-        confirms a block is back, the prediction comes back too. ``None`` means all of
-        them. Returns whether the request's order was known.
-        """
+        """The engine holds (again) the first ``cached_blocks`` blocks (``None``: all) of this
+        request: eviction events can overtake the store events of the same blocks. Returns
+        whether the request's order was known."""
         if cached_blocks is not None:
             check_count("cached_blocks", cached_blocks)
         with self._lock:
@@ -251,30 +208,21 @@ class ContextPilot:
             self._state.reset()
 
     def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
-        """A request prepared elsewhere (another engine's pilot) is sent to this pilot's
-        engine after all (failover), or sent again after a failed call was discarded (a
-        retry): record its send order here, as the engine will hold it.
-
-        Args:
-            fresh_id: give it a new request id (a retry must not reuse the failed call's id).
-
-        Returns it as this pilot predicts it (its ``cached_blocks`` from this index).
-        """
+        """A request prepared elsewhere (another engine's pilot) is sent to this pilot's engine
+        after all (failover), or again after a failed call was discarded (a retry): record its
+        send order here. ``fresh_id``: a new request id (a retry must not reuse the failed
+        call's). Returns it as this pilot predicts it (its ``cached_blocks`` from this index)."""
         with self._lock:
             return self._state.adopt(prepared, fresh_id)
 
     def record_sent(self, request_id: str, block_ids: Sequence[str]) -> bool:
-        """Another worker sent this request (its blocks in send order) to the engine this
-        pilot models: index it as if this pilot had prepared it (what the shared log applies).
-        Idempotent: a request already live keeps its place. Returns whether it was new."""
-        check_request_id(request_id)
-        order = list(block_ids)
-        if not order or not all(isinstance(key, str) for key in order):
-            raise TypeError("block_ids must be a non-empty sequence of str")
+        """Another worker sent this request (its blocks in send order) to the engine this pilot
+        models: index it as if prepared here (what the shared log applies). Idempotent: a request
+        already live keeps its place. Returns whether it was new."""
+        order = checked_order(request_id, block_ids)
         with self._lock:
             return self._reports.sent_elsewhere(request_id, order)
 
-    # ---- reports (:mod:`.reports`) --------------------------------------------------------------
     def record_usage(
         self,
         prepared: PreparedRequest,
@@ -283,15 +231,10 @@ class ContextPilot:
         *,
         cache_write_tokens: int | None = None,
     ) -> None:
-        """Add the engine's own token accounting for a served request to the statistics.
-
-        Args:
-            cache_write_tokens: prompt tokens a hosted API wrote to its cache.
-
-        Raises:
-            TypeError, ValueError: a count is not an int in 0..MAX_TOKENS, or the cached
-                tokens exceed the prompt tokens (nothing is recorded).
-        """
+        """Add the engine's own token accounting for a served request to the statistics
+        (``cache_write_tokens``: what a hosted API wrote to its cache). Raises TypeError or
+        ValueError, recording nothing, for a count not an int in 0..MAX_TOKENS or cached
+        tokens over the prompt tokens."""
         check_usage(prompt_tokens, cached_tokens)
         if cache_write_tokens is not None:
             check_token_count("cache_write_tokens", cache_write_tokens)
@@ -304,40 +247,35 @@ class ContextPilot:
         provider (a usage without a provider counts under ``"unknown"``)."""
         if not isinstance(usage, ProviderUsage):
             raise TypeError(f"usage must be a ProviderUsage, got {type(usage).__name__}")
-        check_usage(usage.prompt_tokens, usage.cache_read_tokens)
-        if usage.cache_write_tokens is not None:
-            check_token_count("cache_write_tokens", usage.cache_write_tokens)
         with self._lock:
-            self._reports.record_provider_usage(prepared, usage)
+            self.record_usage(
+                prepared, usage.prompt_tokens, usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens
+            )
+            self._reports.count_provider(usage)
 
     def note_cache_plan(self, plan: CachePlan) -> None:
         """Count a request's planned cache markers, or why it got none."""
-        if not isinstance(plan, CachePlan):
-            raise TypeError(f"plan must be a CachePlan, got {type(plan).__name__}")
         with self._lock:
             self._reports.counters.count_cache_plan(plan)
 
     def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
         """The engine served only the first ``cached_blocks`` blocks of this request from its
-        cache, where the index predicted ``prepared.cached_blocks``: each live request through
-        the first lost block keeps only what it shares with this one (see
-        :meth:`.Reports.observe_cached`). Engine feedback for engines without KV events
-        (llama.cpp, hosted APIs): their cached-token reports. Returns how many live requests
-        were shortened."""
+        cache, where the index predicted ``prepared.cached_blocks`` (the cached-token reports
+        of engines without KV events: llama.cpp, hosted APIs; see :meth:`.Reports.observe_cached`).
+        Returns how many live requests were shortened."""
         check_count("cached_blocks", cached_blocks)
         with self._lock:
             return self._reports.observe_cached(prepared, cached_blocks)
 
     def discard(self, prepared: PreparedRequest) -> None:
-        """The request never reached the engine: forget it in the index and, in a
-        conversation, forget that its turn showed any block (later turns resend them)."""
+        """The request never reached the engine: forget it in the index and that its turn showed
+        any block (later turns of its conversation resend them)."""
         with self._lock:
             self._reports.discard(prepared)
 
     def note_restored(self, prepared: PreparedRequest, block_ids: Collection[str]) -> None:
-        """These references of ``prepared`` went out as full text after all (the messages
-        sent did not carry what they pointed to): count them, and in a conversation let
-        later turns refer to this turn for them."""
+        """These references of ``prepared`` went out as full text after all (the messages sent did
+        not carry what they pointed to): count them, and let later turns refer to this turn for them."""
         with self._lock:
             self._reports.note_restored(prepared, block_ids)
 
@@ -351,30 +289,24 @@ class ContextPilot:
         with self._lock:
             return self._conversations.end(conversation_id)
 
-    # ---- queries ----------------------------------------------------------------------------------
     def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
-        """Prefix lengths (in blocks) of this request's send order that the index says other
-        live requests share (where each one's shared part ends): where a hosted API's cache
-        marker pays off. A request the index does not hold (a later chat turn): its
-        predicted cached blocks, if any."""
+        """Prefix lengths (in blocks) of this request's send order that the index says other live
+        requests share (where each one's shared part ends): where a hosted API's cache marker pays
+        off. A request the index does not hold (a later chat turn): its predicted cached blocks."""
         with self._lock:
-            depths = self._state.shared_depths(prepared)
-        return depths if depths is not None else (prepared.cached_blocks,) if prepared.cached_blocks else ()
+            return self._state.shared_depths(prepared)
 
     def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
         """Leading blocks of this send order the index predicts the engine holds, sent as
         their text alone or labelled (whichever the engine holds more of)."""
-        ids = list(block_ids)
         with self._lock:
-            return self._state.predicted_cached_blocks(ids)
+            return self._state.predicted_cached_blocks(list(block_ids))
 
     def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
-        """Tokens of these blocks the engine could serve from its cache if this pilot
-        prepared them now: the longest live prefix they can follow (in retrieval order
-        for the ``retrieval`` strategy, or sent without labels). What a router compares
-        across engines."""
-        normalized, _ = normalize_blocks(blocks)
-        sizes = {block.id: block.token_count for block in normalized}
+        """Tokens of these blocks the engine could serve from its cache if this pilot prepared them
+        now: the longest live prefix they can follow (in retrieval order for the ``retrieval``
+        strategy, or sent without labels). What a router compares across engines."""
+        sizes = {block.id: block.token_count for block in normalize_blocks(blocks)[0]}
         with self._lock:
             heads = self._state.reusable_heads(list(sizes))
         return max(sum(sizes[key] for key in head) for head in heads)
@@ -386,8 +318,7 @@ class ContextPilot:
             return list(self._trie.iter_nodes())
 
     def live_orders(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(request id, block ids the engine is predicted to hold) per live request, oldest
-        first: the index as a snapshot (see :meth:`record_sent`)."""
+        """(request id, block ids the engine is predicted to hold) per live request, oldest first."""
         with self._lock:
             return self._state.live_orders()
 
@@ -400,25 +331,12 @@ class ContextPilot:
         """Live index size, conversations tracked, hits predicted."""
         shared = self.shared.status() if self.shared is not None else {}
         with self._lock:
-            outlook = self._planner.outlook
-            return self._reports.counters.snapshot(
-                self.strategy,
-                len(self._state.live),
-                self._trie.node_count,
-                len(self._conversations),
-                **shared,
-                predicted_kept=outlook.retention.share_or(1.0),
-                send_balance=outlook.balance.value,
-            )
+            return self._reports.stats(self.strategy, shared)
 
     def check(self) -> None:
         """Assert internal consistency (for tests): index, strategy and live ids agree."""
         with self._lock:
             self._state.check()
-
-    def _join(self, lock: Any, conversations: ConversationStore) -> None:
-        self._lock = lock
-        self._conversations = self._planner.conversations = self._reports.conversations = conversations
 
 
 def join(pilots: Sequence[ContextPilot], lock: Any, make_store: Callable[[float | None], _Store]) -> _Store:
@@ -427,5 +345,6 @@ def join(pilots: Sequence[ContextPilot], lock: Any, make_store: Callable[[float 
     engines, and one step may touch several pilots. Returns the store."""
     store = make_store(pilots[0]._conversations.ttl)
     for pilot in pilots:
-        pilot._join(lock, store)
+        pilot._lock = lock
+        pilot._conversations = pilot._planner.conversations = pilot._reports.conversations = store
     return store

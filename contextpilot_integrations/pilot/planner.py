@@ -41,7 +41,6 @@ from ..gain import (
 from ..prepared import PreparedRequest, Reference, make_reference
 from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from .state import EngineState
-from .stats import Counters
 
 __all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
 
@@ -77,9 +76,6 @@ class Planner:
         self,
         state: EngineState,
         conversations: ConversationStore,
-        outlook: Outlook,
-        counters: Counters,
-        *,
         templates: Templates,
         annotate_order: bool,
         plain_prompts: bool,
@@ -89,14 +85,31 @@ class Planner:
     ) -> None:
         self.state = state
         self.conversations = conversations
-        self.outlook = outlook
-        self.counters = counters
+        self.outlook = Outlook()
+        self.counters = state.counters
         self.templates = templates
         self.annotate_order = annotate_order
         self.plain_prompts = plain_prompts
         self.order_form: Form = order_form
         self.token_counter = token_counter
         self.cache_tokens = cache_tokens
+
+    def prepare(
+        self,
+        lock: AbstractContextManager[Any],
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None,
+        kept_turns: Collection[int] | None,
+        request_id: str | None,
+    ) -> PreparedRequest:
+        """Check one request, then prepare it under ``lock`` (nothing recorded when it is refused)."""
+        normalized, merged = normalize_blocks(blocks)
+        check_query(query)
+        check_conversation_id(conversation_id)
+        kept = check_kept_turns(kept_turns)
+        with lock:
+            return self.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
 
     def prepare_locked(
         self,

@@ -5,7 +5,8 @@ usage (:meth:`Reports.record_usage`), a hosted API's usage and cache plan, that 
 served less from its cache than predicted (:meth:`Reports.observe_cached`), that a request
 never reached the engine (:meth:`Reports.discard`), that references went out as text after
 all (:meth:`Reports.note_restored`), or that another worker sent a request to the same
-engine (:meth:`Reports.sent_elsewhere`). Every method runs under the pilot's lock.
+engine (:meth:`Reports.sent_elsewhere`); and what all of it adds up to (:meth:`Reports.stats`).
+Every method runs under the pilot's lock.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Collection
+from typing import Any
 
 from ..conversations import ConversationStore
 from ..gain import index_keys, key_blocks
@@ -20,7 +22,7 @@ from ..prepared import PreparedRequest
 from ..providers.usage import ProviderTotals, ProviderUsage
 from .planner import Outlook
 from .state import EngineState
-from .stats import Counters
+from .stats import PilotStats
 
 __all__ = ["Reports"]
 
@@ -28,13 +30,11 @@ __all__ = ["Reports"]
 class Reports:
     """Applies reports about requests to one pilot's state, outlook and counters."""
 
-    def __init__(
-        self, state: EngineState, conversations: ConversationStore, outlook: Outlook, counters: Counters
-    ) -> None:
+    def __init__(self, state: EngineState, conversations: ConversationStore, outlook: Outlook) -> None:
         self.state = state
         self.conversations = conversations
         self.outlook = outlook
-        self.counters = counters
+        self.counters = state.counters
         self.usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
 
     def record_usage(
@@ -55,9 +55,8 @@ class Reports:
             while len(self.usage) > self.conversations.max_conversations:
                 self.usage.popitem(last=False)
 
-    def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
-        """A hosted API's usage: as :meth:`record_usage`, and by provider."""
-        self.record_usage(prepared, usage.prompt_tokens, usage.cache_read_tokens, usage.cache_write_tokens)
+    def count_provider(self, usage: ProviderUsage) -> None:
+        """A hosted API's usage by provider (its tokens counted by :meth:`record_usage`)."""
         totals = self.counters.provider_usage
         name = usage.provider or "unknown"
         totals[name] = totals.get(name, ProviderTotals()).add(usage)
@@ -131,3 +130,15 @@ class Reports:
         state.learn(request_id, order)
         state.record(request_id, order, None)
         return True
+
+    def stats(self, strategy: str, shared: dict[str, Any]) -> PilotStats:
+        """The counters with what the index and the conversations hold now (``shared``: sharing's status)."""
+        return self.counters.snapshot(
+            strategy,
+            len(self.state.live),
+            self.state.trie.node_count,
+            len(self.conversations),
+            **shared,
+            predicted_kept=self.outlook.retention.share_or(1.0),
+            send_balance=self.outlook.balance.value,
+        )

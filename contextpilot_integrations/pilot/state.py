@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,24 +22,22 @@ from ..blocks import Block
 from ..errors import DuplicateRequestError
 from ..gain import index_keys, key_block, labelled_keys, plain_keys
 from ..index.prefix_trie import PrefixTrie
-from ..index.strategies import PlannedBatch, Strategy
+from ..index.strategies import PlannedBatch, Strategy, make_strategy
 from ..prepared import PreparedRequest
 from ..validation import check_request_id
 from .stats import Counters
 
-__all__ = ["EngineState"]
+__all__ = ["EngineState", "checked_ids", "checked_order"]
 
 
 class EngineState:
     """The predicted engine state: what is live, in which order, and who hears of changes."""
 
-    def __init__(
-        self, strategy: Strategy, trie: PrefixTrie[str], max_live_requests: int, counters: Counters, id_prefix: str
-    ) -> None:
+    def __init__(self, strategy: Strategy, trie: PrefixTrie[str], max_live_requests: int, id_prefix: str) -> None:
         self.trie = trie
         self.strategy = strategy
         self.max_live_requests = max_live_requests
-        self.counters = counters
+        self.counters = Counters()
         self.live: OrderedDict[str, int] = OrderedDict()  # request id -> when it entered, oldest first
         self.orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self.reserved: set[str] = set()  # ids of a batch being planned
@@ -47,6 +45,12 @@ class EngineState:
         self._ticks = itertools.count()
         self._id_prefix = f"{id_prefix}-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
+
+    @classmethod
+    def make(cls, strategy: str, max_live_requests: int, id_prefix: str, **options: Any) -> EngineState:
+        """An empty state: a new trie and the strategy ``strategy`` (with ``options``) bound to it."""
+        trie: PrefixTrie[str] = PrefixTrie()
+        return cls(make_strategy(strategy, trie, **options), trie, max_live_requests, id_prefix)
 
     def new_request_id(self, request_id: str | None) -> str:
         """A generated id, or the caller's own once checked to be new here."""
@@ -169,11 +173,11 @@ class EngineState:
             self.orders.popitem(last=False)
 
     # ---- queries -------------------------------------------------------------------------------
-    def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...] | None:
-        """Where the live requests sharing this one's send order end; ``None`` when it is not live."""
+    def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Where the live requests sharing this one's send order end (not live: its cached blocks)."""
         if prepared.request_id in self.live:
             return tuple(self.trie.shared_depths(index_keys(prepared)))
-        return None
+        return (prepared.cached_blocks,) if prepared.cached_blocks else ()
 
     def predicted_cached_blocks(self, ids: list[str]) -> int:
         return max(self.trie.match_length(plain_keys(ids)), self.trie.match_length(labelled_keys(ids)))
@@ -194,3 +198,21 @@ class EngineState:
     def check(self) -> None:
         self.trie.check()
         assert set(self.trie.request_ids()) == set(self.live), "index and live ids differ"
+
+
+def checked_ids(request_ids: Iterable[str]) -> list[str]:
+    """Request ids as a list (one id alone is one), each a ``str``, or ``TypeError``."""
+    ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"request ids must be str, got {type(rid).__name__}")
+    return ids
+
+
+def checked_order(request_id: str, block_ids: Sequence[str]) -> list[str]:
+    """Another worker's request as :meth:`EngineState.record` takes it, or the error."""
+    check_request_id(request_id)
+    order = list(block_ids)
+    if not order or not all(isinstance(key, str) for key in order):
+        raise TypeError("block_ids must be a non-empty sequence of str")
+    return order

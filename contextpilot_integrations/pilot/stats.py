@@ -117,6 +117,8 @@ class Counters:
 
     def count_cache_plan(self, plan: CachePlan) -> None:
         """A request's planned cache markers, or why it got none (reasons bounded)."""
+        if not isinstance(plan, CachePlan):
+            raise TypeError(f"plan must be a CachePlan, got {type(plan).__name__}")
         self.cache_markers += plan.markers
         if plan.skipped is not None:
             reasons = self.plans_skipped
