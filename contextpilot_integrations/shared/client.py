@@ -183,20 +183,18 @@ _OVERHEAD = 512  # bytes of a message besides its entries (MAC, header fields)
 
 
 class SharedIndex:
-    """Keeps ``pilot``'s index shared with every other worker of the same scope.
+    """Keeps ``pilot``'s index (a :class:`~.replica.Replica`) shared with every other worker of the same scope.
 
-    The pilot owns it (``pilot.shared``); it holds the pilot only weakly, so a pilot that is
-    dropped is collected and its client stops (what is pending is sent first, briefly).
-    After a fork (``gunicorn --preload``, ``multiprocessing``) the child gets a client of its
-    own, with its own identity, started when the child first uses the pilot.
+    The pilot owns it (``pilot.shared``) and is held only weakly: dropped, it is collected and its client
+    stops (what is pending is sent first, briefly). After a fork (``gunicorn --preload``, ``multiprocessing``)
+    the child gets a client of its own, with its own identity, started when the child first uses the pilot.
     """
 
     def __init__(self, pilot: Replica, options: SharedOptions, lock_of: LockOf | None = None) -> None:
         self._pilot = weakref.ref(pilot)
-        self._lock_of = lock_of
         self.options = options
         self.origin = secrets.token_hex(6)
-        self.applier = Applier(pilot)
+        self.applier = Applier(pilot, lock_of=lock_of)
         self._outbox: deque[Entry] = deque()
         self._numbers = itertools.count()
         self._messages: deque[tuple[Batch, bytes]] = deque()  # batches waiting for the broker, in order
@@ -259,8 +257,7 @@ class SharedIndex:
         return self.applier.pilot
 
     def on(self, kind: str, handler: Callable[..., None]) -> None:
-        """Hand other workers' entries of ``kind`` published with :meth:`publish` to ``handler``
-        (called with the entry's fields, on this client's thread)."""
+        """Hand other workers' entries of ``kind`` (see :meth:`publish`) to ``handler``, on this client's thread."""
         self.applier.on(kind, handler)
 
     def _at_exit(self) -> None:
@@ -268,9 +265,8 @@ class SharedIndex:
 
     @staticmethod
     def _pilot_dropped(client: SharedIndex) -> None:
-        """The pilot was collected: stop without blocking the collector (pending entries go
-        out first, for at most a couple of seconds; the process exiting meanwhile waits for
-        them as long)."""
+        """The pilot was collected: stop without blocking the collector (pending entries go out
+        first, for at most a couple of seconds; the process exiting meanwhile waits for them as long)."""
         client._closed = True
         client._drain_deadline = time.monotonic() + 2.0
         client._stop()
@@ -278,9 +274,7 @@ class SharedIndex:
     # ---- fork ----------------------------------------------------------------------------------
     def _hold(self) -> list[Any]:
         """Before a fork: take the locks the client thread takes, so the child gets them free."""
-        pilot_lock = self._lock_of() if self._lock_of is not None else None
-        locks: list[Any] = [pilot_lock] if pilot_lock is not None else []
-        locks.append(self.applier._lock)
+        locks = self.applier.locks()
         for lock in locks:
             lock.acquire()
         return locks
@@ -317,8 +311,8 @@ class SharedIndex:
                 self._loop.call_soon_threadsafe(self._wake.set)
 
     def publish(self, kind: str, *details: Any) -> None:
-        """Publish an entry that is not an index event (a router's ``("stick",
-        conversation_id, target)``); other workers hand it to the handler given to :meth:`on`."""
+        """Publish an entry that is not an index event (a router's ``("stick", conversation_id,
+        target)``); other workers hand it to the handler given to :meth:`on`."""
         self._observe(kind, *details)
 
     def status(self) -> dict[str, Any]:
