@@ -13,7 +13,6 @@ import contextlib
 import gc
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +56,8 @@ class BatchRequest:
 
 
 BatchItem = BatchRequest | tuple[Sequence[BlockLike], str] | Mapping[str, Any]
+Lock = contextlib.AbstractContextManager[Any]
+"""The pilot's lock, as the planner takes it around what must not interleave."""
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class Planner:
 
     def prepare(
         self,
-        lock: AbstractContextManager[Any],
+        lock: Lock,
         blocks: Iterable[BlockLike],
         query: str,
         conversation_id: str | None,
@@ -245,7 +246,7 @@ class Planner:
         )
 
     def plan(
-        self, lock: AbstractContextManager[Any], requests: Iterable[BatchItem], *, progress: bool, in_order: bool
+        self, lock: Lock, requests: Iterable[BatchItem], *, progress: bool, in_order: bool
     ) -> list[PreparedRequest]:
         """Offline mode: order every request of a batch and schedule the batch.
 

@@ -37,7 +37,7 @@ class EngineState:
         self.trie = trie
         self.strategy = strategy
         self.max_live_requests = max_live_requests
-        self.counters = Counters()
+        self.counters = Counters()  # the pilot's totals, shared with the planner and the reports
         self.live: OrderedDict[str, int] = OrderedDict()  # request id -> when it entered, oldest first
         self.orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self.reserved: set[str] = set()  # ids of a batch being planned
