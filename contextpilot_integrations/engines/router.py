@@ -52,12 +52,8 @@ from pydantic import BaseModel
 from ..blocks import Block, BlockLike, normalize_blocks
 from ..conversations import ConversationStore
 from ..errors import DuplicateRequestError, EngineError, EngineTimeout, EngineUnavailable
-from ..pilot import (
-    BatchItem,
-    BatchRequest,
-    ContextPilot,
-    _batch_request,
-)
+from ..pilot import BatchItem, BatchRequest, ContextPilot, batch_request, join
+from ..pilot.ports import Broadcast
 from ..prepared import PreparedRequest
 from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from . import wire
@@ -308,10 +304,8 @@ class Router:
 
         pilots = [ContextPilot(strategy, shared=per_target(shared, t.name), **pilot_options) for t in targets]
         self._pilot_lock = threading.RLock()
-        self._turns = _SharedConversations(pilots[0]._conversations.ttl, max_conversations)
-        for pilot in pilots:  # one conversation store, decided and recorded under one lock
-            pilot._lock = self._pilot_lock
-            pilot._conversations = self._turns
+        # one conversation store, decided and recorded under one lock
+        self._turns = join(pilots, self._pilot_lock, lambda ttl: _SharedConversations(ttl, max_conversations))
         self._states = {t.name: _State(pilot) for t, pilot in zip(targets, pilots, strict=True)}
         self._by_pilot = {id(pilot): t for t, pilot in zip(targets, pilots, strict=True)}
         self._conversations: OrderedDict[str, str] = OrderedDict()  # conversation -> target name
@@ -319,8 +313,9 @@ class Router:
         self._uses = 0
         self._lock = threading.Lock()
         for pilot in pilots:
-            if pilot.shared is not None:  # other replicas' conversations, as they place them
-                pilot.shared.applier.handlers["stick"] = self._stick
+            sharing: Broadcast | None = pilot.shared
+            if sharing is not None:  # other replicas' conversations, as they place them
+                sharing.on("stick", self._stick)
 
     def _stick(self, conversation_id: str, name: str) -> None:
         """Another replica placed this conversation on target ``name``."""
@@ -510,7 +505,7 @@ class Router:
         conversation lives (most recent last; the least recent beyond the bound forgotten)."""
         self._next += draft.turned
         for conversation_id, name in draft.sticks.items():
-            shared = self._states[name].pilot.shared
+            shared: Broadcast | None = self._states[name].pilot.shared
             if shared is not None and self._conversations.get(conversation_id) != name:
                 shared.publish("stick", conversation_id, name)
             self._conversations[conversation_id] = name
@@ -662,7 +657,7 @@ class _Checked:
 
 
 def _checked(item: Any, index: int) -> _Checked:
-    request = _batch_request(item, index)
+    request = batch_request(item, index)
     try:
         blocks, _ = normalize_blocks(request.blocks)
         check_query(request.query)

@@ -50,19 +50,18 @@ Install: ``pip install 'contextpilot-integrations[shared]'``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SharedSettingsError
 from .client import SECRET_ENV, SharedIndex, SharedOptions
+from .replica import LockOf, Replica
 
-if TYPE_CHECKING:
-    from ..pilot import ContextPilot
-
-__all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "SharedSettingsError", "attach"]
+__all__ = ["SECRET_ENV", "Replica", "SharedIndex", "SharedOptions", "SharedSettingsError", "attach"]
 
 
-def attach(pilot: ContextPilot, shared: Any) -> SharedIndex:
-    """Share ``pilot``'s index: ``shared`` is a ``nats://`` URL or :class:`SharedOptions`."""
+def attach(pilot: Replica, shared: Any, lock_of: LockOf | None = None) -> SharedIndex:
+    """Share ``pilot``'s index: ``shared`` is a ``nats://`` URL or :class:`SharedOptions`;
+    ``lock_of``: the lock guarding it (taken across a fork, so the child gets it free)."""
     if isinstance(shared, str):
         options = SharedOptions(url=shared)
     elif isinstance(shared, SharedOptions):
@@ -73,4 +72,4 @@ def attach(pilot: ContextPilot, shared: Any) -> SharedIndex:
         import nats  # noqa: F401
     except ImportError as exc:
         raise ImportError("sharing needs nats-py: pip install 'contextpilot-integrations[shared]'") from exc
-    return SharedIndex(pilot, options)
+    return SharedIndex(pilot, options, lock_of)

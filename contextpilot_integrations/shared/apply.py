@@ -21,22 +21,23 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..validation import MAX_BLOCKS
 from .entries import Entry
-
-if TYPE_CHECKING:
-    from ..pilot import ContextPilot
+from .replica import LockOf, Replica
 
 __all__ = ["Applier"]
 
 
 class Applier:
-    """Applies entries to one pilot and keeps the bounded set of evicted ids."""
+    """Applies entries to one pilot (a :class:`~.replica.Replica`) and keeps the bounded set of evicted ids."""
 
-    def __init__(self, pilot: ContextPilot, max_tombstones: int = 200_000, max_origins: int = 100_000) -> None:
+    def __init__(
+        self, pilot: Replica, max_tombstones: int = 200_000, max_origins: int = 100_000, lock_of: LockOf | None = None
+    ) -> None:
         self._pilot = weakref.ref(pilot)  # the pilot owns its client, not the reverse: dropped, it is collected
+        self._lock_of = lock_of  # the pilot's lock, held across a fork
         self.max_tombstones = max_tombstones
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.max_origins = max_origins
@@ -48,8 +49,18 @@ class Applier:
         """Entries that are not about the index (a router's ``stick``): kind -> handler,
         called with the entry's fields (its time left off), for other workers' entries."""
 
+    def on(self, kind: str, handler: Callable[..., None]) -> None:
+        """Hand other workers' entries of ``kind`` (not about the index) to ``handler``."""
+        self.handlers[kind] = handler
+
+    def locks(self) -> list[Any]:
+        """The locks a fork must take so the child gets them free: the pilot's (while it
+        lives and its lock is known), then this applier's."""
+        pilot_lock = self._lock_of() if self._lock_of is not None else None
+        return [pilot_lock, self._lock] if pilot_lock is not None else [self._lock]
+
     @property
-    def pilot(self) -> ContextPilot:
+    def pilot(self) -> Replica:
         pilot = self._pilot()
         if pilot is None:
             raise ReferenceError("the pilot was dropped")

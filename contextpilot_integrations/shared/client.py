@@ -30,16 +30,15 @@ import time
 import urllib.parse
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SharedSettingsError
 from ..validation import MAX_BLOCKS
 from .apply import Applier
 from .entries import Batch, Entry, block_count, decode_batch, encode_batch, encode_entry, seal, unseal
-
-if TYPE_CHECKING:
-    from ..pilot import ContextPilot
+from .replica import LockOf, Replica
 
 __all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "redact"]
 
@@ -185,19 +184,18 @@ _OVERHEAD = 512  # bytes of a message besides its entries (MAC, header fields)
 
 
 class SharedIndex:
-    """Keeps ``pilot``'s index shared with every other worker of the same scope.
+    """Keeps ``pilot``'s index (a :class:`~.replica.Replica`) shared with every other worker of the same scope.
 
-    The pilot owns it (``pilot.shared``); it holds the pilot only weakly, so a pilot that is
-    dropped is collected and its client stops (what is pending is sent first, briefly).
-    After a fork (``gunicorn --preload``, ``multiprocessing``) the child gets a client of its
-    own, with its own identity, started when the child first uses the pilot.
+    The pilot owns it (``pilot.shared``) and is held only weakly: dropped, it is collected and its client
+    stops (what is pending is sent first, briefly). After a fork (``gunicorn --preload``, ``multiprocessing``)
+    the child gets a client of its own, with its own identity, started when the child first uses the pilot.
     """
 
-    def __init__(self, pilot: ContextPilot, options: SharedOptions) -> None:
+    def __init__(self, pilot: Replica, options: SharedOptions, lock_of: LockOf | None = None) -> None:
         self._pilot = weakref.ref(pilot)
         self.options = options
         self.origin = secrets.token_hex(6)
-        self.applier = Applier(pilot)
+        self.applier = Applier(pilot, lock_of=lock_of)
         self._outbox: deque[Entry] = deque()
         self._numbers = itertools.count()
         self._messages: deque[tuple[Batch, bytes]] = deque()  # batches waiting for the broker, in order
@@ -256,17 +254,20 @@ class SharedIndex:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def pilot(self) -> ContextPilot:
+    def pilot(self) -> Replica:
         return self.applier.pilot
+
+    def on(self, kind: str, handler: Callable[..., None]) -> None:
+        """Hand other workers' entries of ``kind`` (see :meth:`publish`) to ``handler``, on this client's thread."""
+        self.applier.on(kind, handler)
 
     def _at_exit(self) -> None:
         self.close(timeout=2.0)
 
     @staticmethod
     def _pilot_dropped(client: SharedIndex) -> None:
-        """The pilot was collected: stop without blocking the collector (pending entries go
-        out first, for at most a couple of seconds; the process exiting meanwhile waits for
-        them as long)."""
+        """The pilot was collected: stop without blocking the collector (pending entries go out
+        first, for at most a couple of seconds; the process exiting meanwhile waits for them as long)."""
         client._closed = True
         client._drain_deadline = time.monotonic() + 2.0
         client._stop()
@@ -274,9 +275,7 @@ class SharedIndex:
     # ---- fork ----------------------------------------------------------------------------------
     def _hold(self) -> list[Any]:
         """Before a fork: take the locks the client thread takes, so the child gets them free."""
-        pilot = self.applier._pilot()
-        locks: list[Any] = [pilot._lock] if pilot is not None else []
-        locks.append(self.applier._lock)
+        locks = self.applier.locks()
         for lock in locks:
             lock.acquire()
         return locks
@@ -313,8 +312,8 @@ class SharedIndex:
                 self._loop.call_soon_threadsafe(self._wake.set)
 
     def publish(self, kind: str, *details: Any) -> None:
-        """Publish an entry that is not an index event (a router's ``("stick",
-        conversation_id, target)``); other workers hand it to ``applier.handlers[kind]``."""
+        """Publish an entry that is not an index event (a router's ``("stick", conversation_id,
+        target)``); other workers hand it to the handler given to :meth:`on`."""
         self._observe(kind, *details)
 
     def status(self) -> dict[str, Any]:

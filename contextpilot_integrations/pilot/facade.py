@@ -1,0 +1,350 @@
+"""ContextPilot: the one object the framework adapters (and users) call.
+
+It is a facade over parts with one job each, under one lock: the predicted engine state
+(:mod:`.state`: the live :class:`~..index.prefix_trie.PrefixTrie`, the ordering strategy,
+the send orders), the planner (:mod:`.planner`: prepare, plan, the send decision), what
+reports from the engine or a hosted API mean for the index (:mod:`.reports`) and the
+counters (:mod:`.stats`). Preparing a request is a few dictionary look-ups per block, so the
+lock is held for microseconds and the same instance can serve threads and asyncio tasks
+alike; a batch is planned off the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..annotations import DEFAULT_TEMPLATES, Templates
+from ..blocks import BlockLike, normalize_blocks
+from ..conversations import ConversationStore
+from ..gain import FORMS, Form, TokenCounter, estimate_tokens
+from ..prepared import PreparedRequest
+from ..providers.plan import CachePlan
+from ..providers.usage import ProviderUsage
+from ..usage import check_token_count, check_usage
+from ..validation import check_count
+from .planner import BatchItem, Planner
+from .reports import Reports
+from .state import EngineState, checked_ids, checked_order
+from .stats import PilotStats
+from .wiring import share
+
+if TYPE_CHECKING:
+    from ..shared.client import SharedIndex
+
+__all__ = ["ContextPilot", "join"]
+
+_Store = TypeVar("_Store", bound=ConversationStore)
+
+
+class ContextPilot:
+    """Reorders, schedules and de-duplicates context blocks for prefix-cache reuse.
+
+    Args:
+        strategy: ``"trie"`` (default), ``"paper"`` or ``"retrieval"`` (no reordering).
+        templates: prompt templates for blocks, references and annotations.
+        annotate_order: add the order annotation that restates the retriever's ranking.
+        max_live_requests: bound on requests tracked in the index; the oldest are forgotten first
+            (use eviction events to stay exact).
+        conversation_ttl: seconds after which an idle conversation is forgotten (``None``: never).
+        max_conversations: bound on conversations tracked (least recently used go first).
+        request_id_prefix: prefix of generated request ids.
+        shared: share this index with other workers through a broker: a URL such as
+            ``"nats://127.0.0.1:4222"`` or :class:`~contextpilot_integrations.shared.SharedOptions`
+            (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
+        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger than it
+            is not indexed (see :mod:`.gain`).
+        plain_prompts: send a request whose reordering does not pay as without ContextPilot
+            (``False``: every block labelled, the paper's form).
+        order_form: how a reordered request outside a conversation restates the ranking:
+            ``"positions"`` (default: each block is its text alone, the ranking restated by position,
+            so a block is the same text whether its request is reordered or not), ``"moved"`` (only
+            the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
+            restated by label). A conversation always labels its blocks: later turns refer to them.
+        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
+            annotation are weighed in the blocks' units; default: four characters a token, rounded up.
+        **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
+    """
+
+    def __init__(
+        self,
+        strategy: str = "trie",
+        *,
+        templates: Templates | None = None,
+        annotate_order: bool = True,
+        max_live_requests: int = 200_000,
+        conversation_ttl: float | None = 3600.0,
+        max_conversations: int = 10_000,
+        request_id_prefix: str = "cp",
+        shared: Any = None,
+        cache_tokens: int | None = None,
+        plain_prompts: bool = True,
+        order_form: Form = "positions",
+        token_counter: TokenCounter | None = None,
+        **strategy_options: Any,
+    ) -> None:
+        if max_live_requests < 1:
+            raise ValueError("max_live_requests must be at least 1")
+        if cache_tokens is not None:
+            check_count("cache_tokens", cache_tokens)
+        if order_form not in FORMS:
+            raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
+        self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
+        self.token_counter: TokenCounter = token_counter or estimate_tokens
+        self.templates, self.annotate_order = templates or DEFAULT_TEMPLATES, annotate_order
+        self.max_live_requests = max_live_requests
+        self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
+        self._trie, self._strategy = self._state.trie, self._state.strategy
+        self._conversations = ConversationStore(conversation_ttl, max_conversations)
+        self._lock: Any = threading.RLock()
+        settings = (self.templates, annotate_order, plain_prompts, order_form, self.token_counter, cache_tokens)
+        self._planner = Planner(self._state, self._conversations, *settings)
+        self._reports = Reports(self._state, self._conversations, self._planner.outlook)
+        self.shared: SharedIndex | None = share(self, shared)
+        """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
+
+    def add_observer(self, observer: Callable[..., None]) -> None:
+        """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds:
+        ``("sent", request_id, block_ids, token_counts)``, ``("evicted", request_ids)``, ``("truncated",
+        request_id, cached_blocks)``, ``("restored", request_id, cached_blocks)``, ``("reset",)``. It runs
+        under the pilot's lock: it must be quick and must not raise (the shared client only queues it)."""
+        with self._lock:
+            self._state.observers = [*self._state.observers, observer]
+
+    def remove_observer(self, observer: Callable[..., None]) -> None:
+        with self._lock:
+            self._state.observers = [o for o in self._state.observers if o is not observer]
+
+    @property
+    def strategy(self) -> str:
+        return self._strategy.name
+
+    def prepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        request_id: str | None = None,
+    ) -> PreparedRequest:
+        """Order one request's blocks for cache reuse and record it in the index.
+
+        Args:
+            blocks: the retrieved blocks, best first (or with ``rank`` set).
+            query: the user's question.
+            conversation_id: blocks already sent in this conversation become location references
+                (while the turn that carried them is kept).
+            kept_turns: the earlier turns (0-based) still in the history you send; ``None``: all.
+            request_id: your own id for the engine; generated when omitted.
+
+        Raises:
+            InvalidBlockError, BlockTypeError: a block is empty, not text, or an id is given twice
+                with different texts. Nothing is recorded then.
+        """
+        return self._planner.prepare(self._lock, blocks, query, conversation_id, kept_turns, request_id)
+
+    async def aprepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        request_id: str | None = None,
+    ) -> PreparedRequest:
+        """Async variant of :meth:`prepare` (it never blocks on I/O, so it runs inline)."""
+        return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, request_id=request_id)
+
+    def plan(
+        self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
+    ) -> list[PreparedRequest]:
+        """Offline mode: order every request of a batch and schedule the batch, off the lock.
+
+        Returns the prepared requests in send order, each with its position in the input as
+        ``batch_index``; a conversation's turns keep their order. ``in_order``: the caller
+        sends them in that order (``False`` for concurrent callers; see :meth:`.Planner.plan`).
+
+        Raises:
+            InvalidBlockError, BlockTypeError, DuplicateRequestError: for any bad request
+                (naming its index); nothing is recorded then: a batch is all or nothing.
+        """
+        return self._planner.plan(self._lock, requests, progress=progress, in_order=in_order)
+
+    async def aplan(
+        self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
+    ) -> list[PreparedRequest]:
+        """Async variant of :meth:`plan`, run in a worker thread."""
+        return await asyncio.to_thread(self.plan, list(requests), progress=progress, in_order=in_order)
+
+    def evict(self, request_ids: Iterable[str]) -> int:
+        """The engine no longer holds these requests' prefixes; unknown ids are ignored.
+        Returns how many of the ids were live."""
+        ids = checked_ids(request_ids)
+        with self._lock:
+            return self._state.evict(ids)
+
+    def truncate(self, request_id: str, cached_blocks: int) -> bool:
+        """The engine now holds only the first ``cached_blocks`` blocks of this request (0: none;
+        its order is remembered, so :meth:`restore` can bring it back). Returns whether it was live."""
+        check_count("cached_blocks", cached_blocks)
+        with self._lock:
+            return self._state.truncate(request_id, cached_blocks)
+
+    def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
+        """The engine holds (again) the first ``cached_blocks`` blocks (``None``: all) of this
+        request: eviction events can overtake the store events of the same blocks. Returns
+        whether the request's order was known."""
+        if cached_blocks is not None:
+            check_count("cached_blocks", cached_blocks)
+        with self._lock:
+            return self._state.restore(request_id, cached_blocks)
+
+    def reset(self) -> None:
+        """The engine holds nothing any more (restart, ``/flush_cache``)."""
+        with self._lock:
+            self._state.reset()
+
+    def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
+        """A request prepared elsewhere (another engine's pilot) is sent to this pilot's engine
+        after all (failover), or again after a failed call was discarded (a retry): record its
+        send order here. ``fresh_id``: a new request id (a retry must not reuse the failed
+        call's). Returns it as this pilot predicts it (its ``cached_blocks`` from this index)."""
+        with self._lock:
+            return self._state.adopt(prepared, fresh_id)
+
+    def record_sent(self, request_id: str, block_ids: Sequence[str]) -> bool:
+        """Another worker sent this request (its blocks in send order) to the engine this pilot
+        models: index it as if prepared here (what the shared log applies). Idempotent: a request
+        already live keeps its place. Returns whether it was new."""
+        order = checked_order(request_id, block_ids)
+        with self._lock:
+            return self._reports.sent_elsewhere(request_id, order)
+
+    def record_usage(
+        self,
+        prepared: PreparedRequest,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        *,
+        cache_write_tokens: int | None = None,
+    ) -> None:
+        """Add the engine's own token accounting for a served request to the statistics
+        (``cache_write_tokens``: what a hosted API wrote to its cache). Raises TypeError or
+        ValueError, recording nothing, for a count not an int in 0..MAX_TOKENS or cached
+        tokens over the prompt tokens."""
+        check_usage(prompt_tokens, cached_tokens)
+        if cache_write_tokens is not None:
+            check_token_count("cache_write_tokens", cache_write_tokens)
+        with self._lock:
+            self._reports.record_usage(prepared, prompt_tokens, cached_tokens, cache_write_tokens)
+
+    def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
+        """Add a hosted API's usage (see :func:`~.providers.read_provider_usage`): prompt
+        tokens and cache reads as :meth:`record_usage` does, cache writes, and both by
+        provider (a usage without a provider counts under ``"unknown"``)."""
+        if not isinstance(usage, ProviderUsage):
+            raise TypeError(f"usage must be a ProviderUsage, got {type(usage).__name__}")
+        with self._lock:
+            self.record_usage(
+                prepared, usage.prompt_tokens, usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens
+            )
+            self._reports.count_provider(usage)
+
+    def note_cache_plan(self, plan: CachePlan) -> None:
+        """Count a request's planned cache markers, or why it got none."""
+        with self._lock:
+            self._reports.counters.count_cache_plan(plan)
+
+    def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
+        """The engine served only the first ``cached_blocks`` blocks of this request from its
+        cache, where the index predicted ``prepared.cached_blocks`` (the cached-token reports
+        of engines without KV events: llama.cpp, hosted APIs; see :meth:`.Reports.observe_cached`).
+        Returns how many live requests were shortened."""
+        check_count("cached_blocks", cached_blocks)
+        with self._lock:
+            return self._reports.observe_cached(prepared, cached_blocks)
+
+    def discard(self, prepared: PreparedRequest) -> None:
+        """The request never reached the engine: forget it in the index and that its turn showed
+        any block (later turns of its conversation resend them)."""
+        with self._lock:
+            self._reports.discard(prepared)
+
+    def note_restored(self, prepared: PreparedRequest, block_ids: Collection[str]) -> None:
+        """These references of ``prepared`` went out as full text after all (the messages sent did
+        not carry what they pointed to): count them, and let later turns refer to this turn for them."""
+        with self._lock:
+            self._reports.note_restored(prepared, block_ids)
+
+    def conversation_usage(self, conversation_id: str) -> tuple[int, int, int]:
+        """(requests, prompt tokens, cached tokens) the engine reported for a conversation."""
+        with self._lock:
+            return self._reports.conversation_usage(conversation_id)
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's seen blocks; returns whether it was tracked."""
+        with self._lock:
+            return self._conversations.end(conversation_id)
+
+    def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Prefix lengths (in blocks) of this request's send order that the index says other live
+        requests share (where each one's shared part ends): where a hosted API's cache marker pays
+        off. A request the index does not hold (a later chat turn): its predicted cached blocks."""
+        with self._lock:
+            return self._state.shared_depths(prepared)
+
+    def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
+        """Leading blocks of this send order the index predicts the engine holds, sent as
+        their text alone or labelled (whichever the engine holds more of)."""
+        with self._lock:
+            return self._state.predicted_cached_blocks(list(block_ids))
+
+    def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
+        """Tokens of these blocks the engine could serve from its cache if this pilot prepared them
+        now: the longest live prefix they can follow (in retrieval order for the ``retrieval``
+        strategy, or sent without labels). What a router compares across engines."""
+        sizes = {block.id: block.token_count for block in normalize_blocks(blocks)[0]}
+        with self._lock:
+            heads = self._state.reusable_heads(list(sizes))
+        return max(sum(sizes[key] for key in head) for head in heads)
+
+    def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
+        """The predicted engine state, one entry per cached block position, pre-order:
+        (block ids from the root, live requests through this node, requests ending here)."""
+        with self._lock:
+            return list(self._trie.iter_nodes())
+
+    def live_orders(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(request id, block ids the engine is predicted to hold) per live request, oldest first."""
+        with self._lock:
+            return self._state.live_orders()
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of the requests the index holds, oldest first."""
+        with self._lock:
+            return list(self._state.live)
+
+    def stats(self) -> PilotStats:
+        """Live index size, conversations tracked, hits predicted."""
+        shared = self.shared.status() if self.shared is not None else {}
+        with self._lock:
+            return self._reports.stats(self.strategy, shared)
+
+    def check(self) -> None:
+        """Assert internal consistency (for tests): index, strategy and live ids agree."""
+        with self._lock:
+            self._state.check()
+
+
+def join(pilots: Sequence[ContextPilot], lock: Any, make_store: Callable[[float | None], _Store]) -> _Store:
+    """Let these pilots (a router's, one per engine) share one lock and one conversation
+    store, ``make_store(ttl)`` with the first pilot's ttl: a conversation moves between
+    engines, and one step may touch several pilots. Returns the store."""
+    store = make_store(pilots[0]._conversations.ttl)
+    for pilot in pilots:
+        pilot._lock = lock
+        pilot._conversations = pilot._planner.conversations = pilot._reports.conversations = store
+    return store

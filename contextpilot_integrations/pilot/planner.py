@@ -1,0 +1,423 @@
+"""Deciding what to send: prepare one request, plan a batch, and the send that pays best.
+
+The :class:`Planner` orders a request's blocks for the strategy, weighs the send
+(:mod:`..gain`: labels, reordering, the annotation against the reuse they buy) and records
+the result in the :class:`~.state.EngineState`. :meth:`Planner.prepare_locked` runs under
+the pilot's lock (a few dictionary look-ups per block); :meth:`Planner.plan` plans a whole
+batch off the lock and takes it only to reserve the ids and to enter the requests in steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..annotations import Templates
+from ..blocks import Block, BlockLike, normalize_blocks
+from ..conversations import ConversationStore
+from ..errors import DuplicateRequestError
+from ..gain import (
+    Balance,
+    Chance,
+    Choice,
+    Cooccurrence,
+    Form,
+    Retention,
+    TokenCounter,
+    annotation_tokens,
+    choose_order,
+    key_blocks,
+    label_tokens,
+    labelled_keys,
+    plain_keys,
+)
+from ..prepared import PreparedRequest, Reference, make_reference
+from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
+from .state import EngineState
+
+__all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """One request of a batch for :meth:`ContextPilot.plan`."""
+
+    blocks: Sequence[BlockLike]
+    query: str
+    conversation_id: str | None = None
+    kept_turns: Collection[int] | None = None
+    request_id: str | None = None
+
+
+BatchItem = BatchRequest | tuple[Sequence[BlockLike], str] | Mapping[str, Any]
+Lock = contextlib.AbstractContextManager[Any]
+"""The pilot's lock, as the planner takes it around what must not interleave."""
+
+
+@dataclass(slots=True)
+class Outlook:
+    """What the traffic has shown so far, which the send decision weighs."""
+
+    retention: Retention = field(default_factory=Retention)  # how much of the predicted reuse the engine delivers
+    cooccurrence: Cooccurrence = field(default_factory=Cooccurrence)  # what this traffic shows about later reuse
+    balance: Balance = field(default_factory=Balance)  # what the sends bought, less what they cost
+    labelled_sends: int = 0  # requests sent labelled: a one-text request may follow their prefix
+
+
+class Planner:
+    """Prepares requests and plans batches against one :class:`~.state.EngineState`."""
+
+    def __init__(
+        self,
+        state: EngineState,
+        conversations: ConversationStore,
+        templates: Templates,
+        annotate_order: bool,
+        plain_prompts: bool,
+        order_form: Form,
+        token_counter: TokenCounter,
+        cache_tokens: int | None,
+    ) -> None:
+        self.state = state
+        self.conversations = conversations
+        self.outlook = Outlook()
+        self.counters = state.counters
+        self.templates = templates
+        self.annotate_order = annotate_order
+        self.plain_prompts = plain_prompts
+        self.order_form: Form = order_form
+        self.token_counter = token_counter
+        self.cache_tokens = cache_tokens
+
+    def prepare(
+        self,
+        lock: Lock,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None,
+        kept_turns: Collection[int] | None,
+        request_id: str | None,
+    ) -> PreparedRequest:
+        """Check one request, then prepare it under ``lock`` (nothing recorded when it is refused)."""
+        normalized, merged = normalize_blocks(blocks)
+        check_query(query)
+        check_conversation_id(conversation_id)
+        kept = check_kept_turns(kept_turns)
+        with lock:
+            return self.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
+
+    def prepare_locked(
+        self,
+        blocks: list[Block],
+        merged: list[str],
+        query: str,
+        conversation_id: str | None,
+        kept_turns: Collection[int] | None,
+        request_id: str | None,
+        planned_order: list[str] | None,
+        batch_index: int | None = None,
+        chance: Chance | None = None,
+        concurrent: bool = False,
+    ) -> PreparedRequest:
+        # decide everything first; record only once nothing can raise any more
+        rid = self.state.new_request_id(request_id)
+        by_id = {block.id: block for block in blocks}
+        turn: int | None = None
+        fresh = blocks
+        references: tuple[Reference, ...] = ()
+        dedup = None
+        if conversation_id is not None:
+            dedup = self.conversations.split(conversation_id, blocks, kept_turns)
+            turn, fresh = dedup.turn, dedup.fresh
+            references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
+        cached_blocks = cached_tokens = 0
+        labels = True
+        if turn:
+            # later turns start with this conversation's own history, which no other
+            # request shares: keep the retriever's order and leave the index alone
+            sent = fresh
+            if planned_order is not None:
+                self.state.strategy.forget(rid)
+        else:
+            keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
+            plain_ok = conversation_id is None and self.plain_prompts
+            if planned_order is None:
+                followed = self.state.strategy.order(rid, self.strategy_keys(keys, plain_ok))
+                planned_order = key_blocks(followed)
+            choice = self.worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
+            order, labels = choice.order, choice.labels
+            self.outlook.cooccurrence.record(order)
+            self.outlook.balance.add(choice.bought)
+            sent = list(map(by_id.__getitem__, order))
+            indexed = labelled_keys(order) if labels else plain_keys(order)
+            self.outlook.labelled_sends += labels
+            if choice.cached:
+                cached_blocks = self.state.record(rid, indexed, sent)
+            else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
+                cached_blocks = self.state.trie.match_length(indexed)
+                self.state.strategy.forget(rid)
+        sizes = [block.token_count for block in sent]
+        if cached_blocks:
+            cached_tokens = sum(sizes[:cached_blocks])
+        if dedup is not None:
+            self.conversations.record(dedup)
+        self.counters.count_prepared(sizes, references, cached_blocks, cached_tokens)
+        prepared = PreparedRequest(
+            request_id=rid,
+            query=query,
+            blocks=tuple(sent),
+            references=references,
+            ranking=tuple(blocks),
+            conversation_id=conversation_id,
+            turn=turn,
+            cached_blocks=cached_blocks,
+            cached_tokens=cached_tokens,
+            merged_duplicates=tuple(merged),
+            batch_index=batch_index,
+            annotate_order=self.annotate_order,
+            templates=self.templates,
+            labels=labels,
+            order_form=self.order_form,
+        )
+        return prepared
+
+    def strategy_keys(self, keys: list[str], plain_ok: bool) -> list[str]:
+        """The index keys the strategy orders by: the text alone (one text per block) unless
+        the blocks will carry labels (a conversation, the paper's form)."""
+        return plain_keys(keys) if plain_ok and self.order_form != "labels" else labelled_keys(keys)
+
+    def worth_it(
+        self,
+        order: list[str],
+        keys: list[str],
+        ranking: list[Block],
+        by_id: dict[str, Block],
+        plain_ok: bool,
+        query: str,
+        chance: Chance | None,
+        concurrent: bool = False,
+    ) -> Choice:
+        """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
+        keep their labels: later turns refer to them by label. ``chance``: that a later
+        request carries a block after another (default: what this traffic showed, bet only
+        from what earlier sends bought; given for a batch sent in order: partners are sure).
+        ``concurrent``: part of a burst whose callers send at once: nothing is bet on before
+        the engine has served a prediction (the requests it would follow are still in
+        flight, and their order at the engine is nobody's)."""
+        trie = self.state.trie
+        one_text = plain_ok and self.order_form != "labels"
+        count = self.token_counter
+        annotation = 0
+        if self.annotate_order and order != keys:
+            form: Form = self.order_form if one_text else "labels"
+            annotation = annotation_tokens(ranking, self.templates, [by_id[key] for key in order], form, count)
+        labelled = None
+        if one_text and self.outlook.labelled_sends:  # a conversation may have left labelled blocks cached
+            head = key_blocks(trie.best_prefix(labelled_keys(keys)))
+            if head:
+                taken = set(head)
+                onto = head + [key for key in order if key not in taken]
+                cost = label_tokens(ranking, self.templates, count)
+                if self.annotate_order and onto != keys:
+                    cost += annotation_tokens(ranking, self.templates, None, "labels", count)
+                labelled = (onto, cost)
+        return choose_order(
+            order,
+            keys,
+            {key: by_id[key].token_count for key in keys},
+            matched=lambda keys, labelled: trie.match_length(labelled_keys(keys) if labelled else plain_keys(keys)),
+            chance=chance or self.outlook.cooccurrence.chance,
+            annotation_cost=annotation,
+            label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
+            form=self.order_form,
+            cache_tokens=self.cache_tokens,
+            plain_ok=plain_ok,
+            kept=self.outlook.retention.share_or(0.0 if concurrent else 1.0),
+            budget=math.inf if chance is not None and not concurrent else self.outlook.balance.budget,
+            retrieval_chance=self.outlook.cooccurrence.chance,
+            prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
+            labelled=labelled,
+        )
+
+    def plan(
+        self, lock: Lock, requests: Iterable[BatchItem], *, progress: bool, in_order: bool
+    ) -> list[PreparedRequest]:
+        """Offline mode: order every request of a batch and schedule the batch.
+
+        Returns the prepared requests in send order; each keeps its own query and its
+        position in the input as ``batch_index``. Turns of one conversation keep their
+        relative order (they take the schedule slots of that conversation, in turn order).
+
+        ``in_order``: the caller sends them in that order, so a block that another request
+        of the batch carries is sure to be reused (:mod:`.gain`). ``False`` for concurrent
+        callers (:class:`~.batching.MicroBatcher`), whose requests reach the engine in
+        whatever order their threads get there: on an engine that keeps only its last
+        prompt, a partner reused on paper is then often lost.
+
+        The batch is planned outside the lock, so concurrent :meth:`prepare` calls are not
+        held up by a long plan; the planned requests then enter the index in small steps.
+
+        Raises:
+            InvalidBlockError, BlockTypeError, DuplicateRequestError: for any bad request
+                (naming its index); nothing is recorded then: a batch is all or nothing.
+        """
+        items = [batch_request(item, index) for index, item in enumerate(requests)]
+        normalized = []
+        kept_turns = []
+        for index, item in enumerate(items):
+            try:
+                normalized.append(normalize_blocks(item.blocks))
+                check_query(item.query)
+                check_conversation_id(item.conversation_id)
+                kept_turns.append(check_kept_turns(item.kept_turns))
+                if item.request_id is not None:
+                    check_request_id(item.request_id)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request #{index}: {exc}") from exc
+        with lock:
+            ids = []
+            for index, item in enumerate(items):
+                try:
+                    ids.append(self.state.new_request_id(item.request_id))
+                except DuplicateRequestError as exc:
+                    raise DuplicateRequestError(f"request #{index}: {exc}") from exc
+            if len(set(ids)) != len(ids):
+                raise DuplicateRequestError("request ids repeat within the batch")
+            self.state.reserved.update(ids)  # no concurrent prepare can take them meanwhile
+        try:
+            plain_ok = [item.conversation_id is None and self.plain_prompts for item in items]
+            batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
+            followed = [(rid, self.strategy_keys(keys, ok)) for (rid, keys), ok in zip(batch, plain_ok, strict=True)]
+            tokens = {
+                key: block.token_count
+                for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
+                for key, block in zip(keys, blocks, strict=True)
+            }
+            with _gc_paused():
+                planned = self.state.strategy.plan(followed, tokens)
+            orders = [key_blocks(order) for order in planned.orders]
+            schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
+            sizes = [sum(block.token_count for block in blocks) for blocks, _ in normalized]
+            chances: dict[int, Chance | None] = {}
+            prepared: list[PreparedRequest] = []
+            steps = tqdm(total=len(schedule), desc="planning", unit="req", disable=not progress)
+            with steps:
+                for start in range(0, max(len(schedule), 1), _COMMIT_STEP):
+                    with lock:
+                        if start == 0:
+                            chances = self.batch_chances(batch, schedule, orders, sizes, in_order)
+                            self.state.strategy.commit(planned, followed)
+                        for index in schedule[start : start + _COMMIT_STEP]:
+                            item, (blocks, merged) = items[index], normalized[index]
+                            self.state.reserved.discard(ids[index])
+                            prepared.append(
+                                self.prepare_locked(
+                                    blocks,
+                                    merged,
+                                    item.query,
+                                    item.conversation_id,
+                                    kept_turns[index],
+                                    ids[index],
+                                    orders[index],
+                                    index,
+                                    chances[index],
+                                    not in_order,
+                                )
+                            )
+                    steps.update(min(_COMMIT_STEP, len(schedule) - start))
+            return prepared
+        finally:
+            with lock:
+                self.state.reserved.difference_update(ids)
+
+    def batch_chances(
+        self,
+        batch: Sequence[tuple[str, list[str]]],
+        schedule: Sequence[int],
+        orders: Sequence[list[str]],
+        sizes: Sequence[int],
+        in_order: bool,
+    ) -> dict[int, Chance | None]:
+        """Per request of a batch about to be counted: that a later request carries a block.
+        Sent in order, sure for a block a later request of the batch carries while the
+        cache still holds it (the tokens sent in between fit, when the cache size is known);
+        else what this traffic showed. ``None`` (bets paid from the balance only) for a
+        concurrent burst: a partner's prefix may not be computed before it is needed."""
+        if not in_order:
+            return dict.fromkeys(range(len(batch)))
+        room = self.cache_tokens
+        shown = self.outlook.cooccurrence.chance
+        chances: dict[int, Chance | None] = {}
+        sent_after = 0  # tokens of the requests after the current one (scanning backwards)
+        next_at: dict[str, int] = {}  # block -> tokens from the next request carrying it to the end
+        for index in reversed(schedule):
+            sure = frozenset(
+                key
+                for key in orders[index]
+                if key in next_at and (room is None or sent_after - next_at[key] + sizes[index] <= room)
+            )
+            chances[index] = _sure_or(sure, shown)
+            sent_after += sizes[index]
+            for key in orders[index]:
+                next_at[key] = sent_after
+        return chances
+
+
+def _sure_or(sure: frozenset[str], shown: Chance) -> Chance:
+    def chance(previous: str | None, key: str) -> float:
+        return 1.0 if key in sure else shown(previous, key)
+
+    return chance
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector during a bulk build.
+
+    Index nodes link to their parents, so each one is tracked by the collector; building
+    a big batch would otherwise trigger repeated full scans (a 12,000-request plan spent
+    90% of its time there). Nothing cyclic becomes garbage meanwhile.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+_COMMIT_STEP = 64
+"""Planned requests entered into the index per hold of the lock (about 2 ms)."""
+
+
+def batch_request(item: BatchItem, index: int) -> BatchRequest:
+    if isinstance(item, BatchRequest):
+        return item
+    if isinstance(item, tuple) and len(item) == 2:
+        return BatchRequest(blocks=item[0], query=item[1])
+    if isinstance(item, Mapping):
+        try:
+            return BatchRequest(**item)
+        except TypeError as exc:
+            raise TypeError(f"request #{index}: {exc}") from exc
+    raise TypeError(f"request #{index}: expected BatchRequest, (blocks, query) or a mapping")
+
+
+def _keep_turn_order(schedule: list[int], conversations: Sequence[str | None]) -> list[int]:
+    """Let each conversation's requests take its schedule slots in input (turn) order."""
+    by_conversation: dict[str, list[int]] = {}
+    for index, cid in enumerate(conversations):
+        if cid is not None:
+            by_conversation.setdefault(cid, []).append(index)
+    if not by_conversation:
+        return schedule
+    queues = {cid: iter(indices) for cid, indices in by_conversation.items()}
+    return [index if conversations[index] is None else next(queues[conversations[index]]) for index in schedule]  # type: ignore[index]

@@ -1,0 +1,218 @@
+"""The engine's cache as the pilot predicts it, and every change to that prediction.
+
+One :class:`EngineState` per pilot: the live :class:`~..index.prefix_trie.PrefixTrie`, the
+ordering strategy that learns from it, which requests are live (oldest first, bounded), the
+send order of each (so :meth:`EngineState.restore` can bring a prefix back) and the
+observers told of each change (the shared log). A request enters through one
+:meth:`EngineState.record`, however the pilot learns of it: prepared here, adopted from
+another engine's pilot, or sent by another worker. Nothing here takes a lock: the pilot
+calls every method under its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..blocks import Block
+from ..errors import DuplicateRequestError
+from ..gain import index_keys, key_block, labelled_keys, plain_keys
+from ..index.prefix_trie import PrefixTrie
+from ..index.strategies import PlannedBatch, Strategy, make_strategy
+from ..prepared import PreparedRequest
+from ..validation import check_request_id
+from .stats import Counters
+
+__all__ = ["EngineState", "checked_ids", "checked_order"]
+
+
+class EngineState:
+    """The predicted engine state: what is live, in which order, and who hears of changes."""
+
+    def __init__(self, strategy: Strategy, trie: PrefixTrie[str], max_live_requests: int, id_prefix: str) -> None:
+        self.trie = trie
+        self.strategy = strategy
+        self.max_live_requests = max_live_requests
+        self.counters = Counters()  # the pilot's totals, shared with the planner and the reports
+        self.live: OrderedDict[str, int] = OrderedDict()  # request id -> when it entered, oldest first
+        self.orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
+        self.reserved: set[str] = set()  # ids of a batch being planned
+        self.observers: list[Callable[..., None]] = []
+        self._ticks = itertools.count()
+        self._id_prefix = f"{id_prefix}-{secrets.token_hex(4)}-"
+        self._ids = itertools.count()
+
+    @classmethod
+    def make(cls, strategy: str, max_live_requests: int, id_prefix: str, **options: Any) -> EngineState:
+        """An empty state: a new trie and the strategy ``strategy`` (with ``options``) bound to it."""
+        trie: PrefixTrie[str] = PrefixTrie()
+        return cls(make_strategy(strategy, trie, **options), trie, max_live_requests, id_prefix)
+
+    def new_request_id(self, request_id: str | None) -> str:
+        """A generated id, or the caller's own once checked to be new here."""
+        if request_id is None:
+            return f"{self._id_prefix}{next(self._ids)}"
+        check_request_id(request_id)
+        if request_id in self.live or request_id in self.reserved:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
+        return request_id
+
+    def notify(self, kind: str, *details: Any) -> None:
+        for observer in self.observers:
+            observer(kind, *details)
+
+    # ---- a request enters ----------------------------------------------------------------------
+    def record(self, rid: str, order: Sequence[str], blocks: Sequence[Block] | None) -> int:
+        """The engine now holds ``order`` (index keys) for request ``rid``: insert it, mark it
+        live, keep its order, forget the oldest past the bound, and tell the observers
+        (``blocks``: what was sent, for their token counts; ``None`` for a request another
+        worker sent, which the observers already know). Returns the blocks predicted cached."""
+        cached = self.trie.insert(rid, order)
+        self.live[rid] = next(self._ticks)
+        self.orders[rid] = tuple(order)
+        self.enforce_bound()
+        if blocks is not None and self.observers:
+            self.notify("sent", rid, tuple(order), tuple([block.token_count for block in blocks]))
+        return cached
+
+    def adopt(self, prepared: PreparedRequest, fresh_id: bool) -> PreparedRequest:
+        """Record a request prepared elsewhere as this engine will hold it (a later turn of a
+        conversation is not indexed); a new id when asked or when its id is taken here."""
+        order = index_keys(prepared)
+        rid = prepared.request_id
+        if fresh_id or rid in self.live or rid in self.reserved:
+            rid = self.new_request_id(None)
+        cached = 0
+        if not prepared.turn:
+            cached = self.record(rid, order, prepared.blocks)
+        adopted = replace(
+            prepared,
+            request_id=rid,
+            cached_blocks=cached,
+            cached_tokens=sum(block.token_count for block in prepared.blocks[:cached]),
+        )
+        return adopted
+
+    def learn(self, rid: str, order: list[str]) -> None:
+        """Let the strategy learn a request it did not order (another worker's)."""
+        if self.strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
+            self.strategy.commit(PlannedBatch([], []), [(rid, order)])
+        else:
+            self.strategy.order(rid, order)  # the paper's tree learns the request
+
+    # ---- the engine dropped or got back blocks -------------------------------------------------
+    def evict(self, request_ids: list[str]) -> int:
+        evicted = 0
+        for rid in request_ids:
+            self.orders.pop(rid, None)
+            if rid in self.live:
+                del self.live[rid]
+                self.forget(rid)
+                evicted += 1
+        self.counters.evicted += evicted
+        if self.observers and request_ids:
+            self.notify("evicted", tuple(request_ids))
+        return evicted
+
+    def truncate(self, request_id: str, cached_blocks: int) -> bool:
+        if self.observers:
+            self.notify("truncated", request_id, cached_blocks)
+        if request_id not in self.live:
+            return False
+        if cached_blocks == 0:
+            del self.live[request_id]
+            self.trie.evict(request_id)
+            self.strategy.forget(request_id)
+            self.counters.evicted += 1
+            return True
+        return self.trie.truncate(request_id, cached_blocks)
+
+    def restore(self, request_id: str, cached_blocks: int | None) -> bool:
+        if self.observers:
+            self.notify("restored", request_id, cached_blocks)
+        order = self.orders.get(request_id)
+        if order is None:
+            return False
+        keep = len(order) if cached_blocks is None else min(cached_blocks, len(order))
+        if request_id in self.live:
+            if keep <= len(self.trie.order_of(request_id)):
+                return True
+            self.trie.evict(request_id)
+        elif keep == 0:
+            return True
+        else:
+            self.live[request_id] = next(self._ticks)
+        self.trie.insert(request_id, order[:keep])
+        self.enforce_bound()
+        return True
+
+    def reset(self) -> None:
+        self.counters.evicted += len(self.live)
+        self.live.clear()
+        self.orders.clear()
+        self.trie.clear()
+        self.strategy.reset()
+        if self.observers:
+            self.notify("reset")
+
+    def forget(self, rid: str) -> None:
+        self.trie.evict(rid)
+        self.strategy.forget(rid)
+
+    def enforce_bound(self) -> None:
+        while len(self.live) > self.max_live_requests:
+            oldest, _ = self.live.popitem(last=False)
+            self.forget(oldest)
+            self.orders.pop(oldest, None)
+            self.counters.evicted += 1
+        while len(self.orders) > self.max_live_requests:
+            self.orders.popitem(last=False)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Where the live requests sharing this one's send order end (not live: its cached blocks)."""
+        if prepared.request_id in self.live:
+            return tuple(self.trie.shared_depths(index_keys(prepared)))
+        return (prepared.cached_blocks,) if prepared.cached_blocks else ()
+
+    def predicted_cached_blocks(self, ids: list[str]) -> int:
+        return max(self.trie.match_length(plain_keys(ids)), self.trie.match_length(labelled_keys(ids)))
+
+    def reusable_heads(self, keys: list[str]) -> list[list[str]]:
+        """The blocks of ``keys`` the engine could serve, sent plain and sent labelled."""
+        heads = []
+        for indexed in (plain_keys(keys), labelled_keys(keys)):
+            if self.strategy.name == "retrieval":
+                heads.append(keys[: self.trie.match_length(indexed)])
+            else:
+                heads.append([key_block(key) for key in self.trie.best_prefix(indexed)])
+        return heads
+
+    def live_orders(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [(rid, tuple(self.trie.order_of(rid))) for rid in self.live]
+
+    def check(self) -> None:
+        self.trie.check()
+        assert set(self.trie.request_ids()) == set(self.live), "index and live ids differ"
+
+
+def checked_ids(request_ids: Iterable[str]) -> list[str]:
+    """Request ids as a list (one id alone is one), each a ``str``, or ``TypeError``."""
+    ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"request ids must be str, got {type(rid).__name__}")
+    return ids
+
+
+def checked_order(request_id: str, block_ids: Sequence[str]) -> list[str]:
+    """Another worker's request as :meth:`EngineState.record` takes it, or the error."""
+    check_request_id(request_id)
+    order = list(block_ids)
+    if not order or not all(isinstance(key, str) for key in order):
+        raise TypeError("block_ids must be a non-empty sequence of str")
+    return order

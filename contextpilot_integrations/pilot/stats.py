@@ -1,0 +1,153 @@
+"""What the pilot has done, counted: the counters its parts add to under the pilot's lock,
+and :class:`PilotStats`, the frozen snapshot :meth:`ContextPilot.stats` hands out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..prepared import Reference
+from ..providers.plan import CachePlan
+from ..providers.usage import ProviderTotals
+
+__all__ = ["Counters", "PilotStats"]
+
+
+class PilotStats(BaseModel):
+    """A snapshot of what the pilot holds and has done."""
+
+    model_config = ConfigDict(frozen=True)
+
+    strategy: str
+    live_requests: int
+    index_nodes: int
+    conversations: int
+    requests_prepared: int
+    blocks_sent: int
+    blocks_referenced: int
+    tokens_sent: int
+    tokens_referenced: int
+    predicted_cached_blocks: int
+    predicted_cached_tokens: int
+    requests_evicted: int
+    engine_requests: int = 0
+    """Requests whose usage the engine reported (see :meth:`ContextPilot.record_usage`)."""
+    engine_prompt_tokens: int = 0
+    engine_cached_tokens: int = 0
+    feedback_shortened: int = 0
+    """Requests shortened because the engine reported less cached than predicted."""
+    references_restored: int = 0
+    """Location references sent as full text after all, because the messages that left for
+    the engine did not carry the text they pointed to (see :meth:`ContextPilot.note_restored`)."""
+    shared_connected: bool | None = None
+    """Sharing across workers (``shared=``): whether the broker is reachable now; ``None``
+    when sharing is off."""
+    shared_unsent: int = 0
+    """Entries of this worker waiting for the broker (sent once it is back)."""
+    shared_applied: int = 0
+    """Entries of other workers applied to this index."""
+    engine_cache_write_tokens: int = 0
+    """Prompt tokens a hosted API reported writing to its cache (part of the prompt tokens)."""
+    provider_usage: dict[str, ProviderTotals] = {}
+    """Hosted APIs' usage by provider (see :meth:`ContextPilot.record_provider_usage`)."""
+    cache_markers_placed: int = 0
+    """Cache markers planned for hosted APIs (see :meth:`ContextPilot.note_cache_plan`)."""
+    cache_plans_skipped: dict[str, int] = {}
+    """Requests planned without a marker, by reason (e.g. below the model's minimum)."""
+    predicted_kept: float = 1.0
+    """The share of the predicted cached tokens the engine reported serving (recent
+    reports weigh most; 1.0 before any): predicted reuse counts this much when deciding
+    whether labels and reordering pay (:mod:`.gain`)."""
+    send_balance: float = 0.0
+    """Recent reuse the sends bought beyond retrieval order's, less the tokens they added
+    (:class:`~.gain.Balance`): while negative, no send bets on later reuse."""
+
+    @property
+    def engine_hit_ratio(self) -> float:
+        """Cached prompt tokens over prompt tokens, as the engine reported them."""
+        return self.engine_cached_tokens / self.engine_prompt_tokens if self.engine_prompt_tokens else 0.0
+
+    @property
+    def predicted_hit_ratio(self) -> float:
+        """Predicted cached block tokens over block tokens sent."""
+        return self.predicted_cached_tokens / self.tokens_sent if self.tokens_sent else 0.0
+
+
+_MAX_SKIP_REASONS = 64
+"""Distinct reasons counted in ``PilotStats.cache_plans_skipped``; further ones count as "other"."""
+
+
+@dataclass(slots=True)
+class Counters:
+    """The running totals behind :class:`PilotStats` (guarded by the pilot's lock)."""
+
+    prepared: int = 0
+    blocks_sent: int = 0
+    blocks_referenced: int = 0
+    tokens_sent: int = 0
+    tokens_referenced: int = 0
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    evicted: int = 0
+    engine_requests: int = 0
+    engine_prompt_tokens: int = 0
+    engine_cached_tokens: int = 0
+    feedback_shortened: int = 0
+    references_restored: int = 0
+    cache_write_tokens: int = 0
+    provider_usage: dict[str, ProviderTotals] = field(default_factory=dict)
+    cache_markers: int = 0
+    plans_skipped: dict[str, int] = field(default_factory=dict)
+
+    def count_prepared(
+        self, sizes: Sequence[int], references: Sequence[Reference], cached_blocks: int, cached_tokens: int
+    ) -> None:
+        """One request prepared: its blocks sent (their token counts), referenced and predicted cached."""
+        self.prepared += 1
+        self.blocks_sent += len(sizes)
+        self.tokens_sent += sum(sizes)
+        if references:
+            self.blocks_referenced += len(references)
+            self.tokens_referenced += sum([r.block.token_count for r in references])
+        self.cached_blocks += cached_blocks
+        self.cached_tokens += cached_tokens
+
+    def count_cache_plan(self, plan: CachePlan) -> None:
+        """A request's planned cache markers, or why it got none (reasons bounded)."""
+        if not isinstance(plan, CachePlan):
+            raise TypeError(f"plan must be a CachePlan, got {type(plan).__name__}")
+        self.cache_markers += plan.markers
+        if plan.skipped is not None:
+            reasons = self.plans_skipped
+            reason = plan.skipped if plan.skipped in reasons or len(reasons) < _MAX_SKIP_REASONS else "other"
+            reasons[reason] = reasons.get(reason, 0) + 1
+
+    def snapshot(self, strategy: str, live: int, nodes: int, conversations: int, **more: Any) -> PilotStats:
+        """These totals as :class:`PilotStats` (``more``: sharing's status, the learned shares)."""
+        return PilotStats(
+            strategy=strategy,
+            live_requests=live,
+            index_nodes=nodes,
+            conversations=conversations,
+            requests_prepared=self.prepared,
+            blocks_sent=self.blocks_sent,
+            blocks_referenced=self.blocks_referenced,
+            tokens_sent=self.tokens_sent,
+            tokens_referenced=self.tokens_referenced,
+            predicted_cached_blocks=self.cached_blocks,
+            predicted_cached_tokens=self.cached_tokens,
+            requests_evicted=self.evicted,
+            engine_requests=self.engine_requests,
+            engine_prompt_tokens=self.engine_prompt_tokens,
+            engine_cached_tokens=self.engine_cached_tokens,
+            feedback_shortened=self.feedback_shortened,
+            references_restored=self.references_restored,
+            engine_cache_write_tokens=self.cache_write_tokens,
+            provider_usage=dict(self.provider_usage),
+            cache_markers_placed=self.cache_markers,
+            cache_plans_skipped=dict(self.plans_skipped),
+            **more,
+        )
