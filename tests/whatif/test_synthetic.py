@@ -6,13 +6,15 @@ from a cache of 1% of the working set to one that never evicts, every prompt tok
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.gain import label_tokens
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
@@ -160,3 +162,47 @@ def test_contextpilot_never_computes_more_than_retrieval_order(
     assert ours <= without, (
         f"{mode} at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
     )
+
+
+# ---- chat over the family: a label or a reference only where it pays (issue 29) --------------------
+@st.composite
+def chat_families(draw: st.DrawFn) -> Family:
+    """Conversations that send their history, of blocks from shorter
+    than a location reference (~14 tokens) to 2,000 tokens; 100-300 turns, so what the
+    labels are bet on shows (a handful of turns is a coin toss for any bet)."""
+    low = draw(st.sampled_from([5, 10, 15, 20, 35, 60, 200, 600]))
+    spec = replace(draw(families()), history=draw(st.integers(1, 6)), requests=draw(st.integers(100, 300)))
+    turns = draw(st.sampled_from([(2, 10), (20, 60), (2, 200)]))  # two turns each: see the residual below
+    return replace(
+        spec, name="drawn-chat", block_tokens=(low, max(low, min(2000, low * draw(st.integers(1, 8))))), turns=turns
+    )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(spec=chat_families(), seed=st.integers(0, 2**16), fraction=st.floats(0.01, 1.0))
+@example(spec=replace(FAMILIES["scattered"], requests=200), seed=0, fraction=0.01)
+@example(spec=replace(FAMILIES["memory-snippets"], requests=200, block_tokens=(10, 20)), seed=0, fraction=0.25)
+def test_chat_never_computes_more_than_resending_every_block(spec: Family, seed: int, fraction: float) -> None:
+    trace = generate(spec, seed=seed)
+    without, ours = _prefill(trace, "chat", fraction)
+    assert ours <= without, f"chat at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.25, 1.0])
+def test_chat_never_loses_on_a_named_family(name: str, fraction: float) -> None:
+    without, ours = _prefill(generate(FAMILIES[name].with_requests(300), seed=1), "chat", fraction)
+    assert ours <= without, f"{name} chat at {fraction:.0%}: {ours:,} > {without:,}"
+
+
+def test_conversations_that_never_come_back_cost_at_most_the_first_turns_labels() -> None:
+    """The residual of the prior (:class:`~contextpilot_integrations.conversations.Repeats`):
+    a fresh pilot labels the first turns for the references multi-turn conversations bring;
+    where none come (two-turn conversations sharing nothing, a 1% cache that keeps nothing),
+    that costs at most the labels of the first 16 turns, sent and resent as history."""
+    trace = generate(replace(FAMILIES["passages"], requests=120, turns=(2, 2), locality=0.0), seed=0)
+    without, ours = _prefill(trace, "chat", 0.01)
+    firsts = [r for r in trace if r.turn == 0][:16]
+    pilot = ContextPilot()
+    bound = 2 * sum(label_tokens([Block(id=b, text=b) for b in r.blocks], pilot.templates) for r in firsts)
+    assert ours - without <= bound, (ours - without, bound)
