@@ -283,7 +283,7 @@ def decide_turn(
     if references:
         referred = {block.id for block, _ in references}
         fresh = [block for block in ranking if block.id not in referred]
-        saved = sum(block.token_count - count(render_reference(block, templates)) for block, _ in references)
+        saved = float(sum(block.token_count - count(render_reference(block, templates)) for block, _ in references))
         read = [block.id for block in fresh] + [block.id for block, _ in references]
         if annotate and read != [block.id for block in ranking]:
             saved -= count(render_order(ranking, templates))
