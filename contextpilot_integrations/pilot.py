@@ -361,12 +361,8 @@ class ContextPilot:
             if planned_order is None:
                 followed = self._strategy.order(rid, self._strategy_keys(keys, plain_ok))
                 planned_order = key_blocks(followed)
-            if conversation_id is not None and self.plain_prompts:
-                # the retriever's order: the cache also holds this conversation's later turns,
-                # which the index does not see, so a reorder's gain cannot be predicted here
-                choice = Choice(keys, not plain_ok)
-            else:
-                choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
+            bets = conversation_id is None or not self.plain_prompts
+            choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent, bets)
             order, labels = choice.order, choice.labels
             if dedup is not None:
                 dedup = replace(dedup, labelled=labels)
@@ -442,6 +438,7 @@ class ContextPilot:
         query: str,
         chance: Chance | None,
         concurrent: bool = False,
+        bets: bool = True,
     ) -> Choice:
         """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
         keep their labels: later turns refer to them by label. ``chance``: that a later
@@ -449,7 +446,9 @@ class ContextPilot:
         from what earlier sends bought; given for a batch sent in order: partners are sure).
         ``concurrent``: part of a burst whose callers send at once: nothing is bet on before
         the engine has served a prediction (the requests it would follow are still in
-        flight, and their order at the engine is nobody's)."""
+        flight, and their order at the engine is nobody's). ``bets``: False for a
+        conversation's first turn, reordered only where that pays now (its later turns
+        follow their own history, which the index does not see)."""
         trie = self._trie
         one_text = plain_ok and self.order_form != "labels"
         count = self.token_counter
@@ -479,7 +478,7 @@ class ContextPilot:
             cache_tokens=self.cache_tokens,
             plain_ok=plain_ok,
             kept=self._retention.share_or(0.0 if concurrent else 1.0),
-            budget=math.inf if chance is not None and not concurrent else self._balance.budget,
+            budget=(math.inf if chance is not None and not concurrent else self._balance.budget) if bets else 0.0,
             retrieval_chance=self._cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
             labelled=labelled,
