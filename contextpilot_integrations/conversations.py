@@ -198,10 +198,8 @@ class ConversationStore:
 
 
 LABEL_MARGIN = 3
-"""How many times a label and a reference are counted against the tokens a reference may
-save, in a bet: a labelled turn is sent again as the history of the turns that could refer
-to it, labels included, and a turn with references pays the order annotation for its
-whole ranking."""
+"""How many times a label is counted against the references it may buy: a labelled turn is
+sent again as the history of the turns that could refer to it, labels included."""
 
 
 class Repeats:
@@ -249,7 +247,7 @@ def _bet(blocks: Sequence[Block], rate: float, templates: Templates, count: Toke
     value = 0.0
     for block in blocks:
         label, reference = _costs(block.label, templates, count)
-        value += rate * max(block.token_count - LABEL_MARGIN * reference, 0) - (LABEL_MARGIN * label if labels else 0)
+        value += rate * max(block.token_count - reference, 0) - (LABEL_MARGIN * label if labels else 0)
     return value
 
 
