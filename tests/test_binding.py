@@ -21,8 +21,8 @@ from contextpilot_integrations.binding import (
 from contextpilot_integrations.blocks import CHARS_PER_TOKEN
 
 
-def blocks(*ids: str) -> list[Block]:
-    return [Block(id=i, text=f"text of {i} " * 8) for i in ids]
+def blocks(*ids: str) -> list[Block]:  # 100 tokens: long enough for a reference to pay
+    return [Block(id=i, text=f"text of {i} " * 40) for i in ids]
 
 
 def bound(pilot: ContextPilot, *ids: str) -> Binding:

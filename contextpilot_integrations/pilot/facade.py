@@ -62,7 +62,8 @@ class ContextPilot:
             ``"positions"`` (default: each block is its text alone, the ranking restated by position,
             so a block is the same text whether its request is reordered or not), ``"moved"`` (only
             the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
-            restated by label). A conversation always labels its blocks: later turns refer to them.
+            restated by label). A conversation labels its blocks only where later turns are expected
+            to refer to them for more than the labels cost (:mod:`..conversations`).
         token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
             annotation are weighed in the blocks' units; default: four characters a token, rounded up.
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").

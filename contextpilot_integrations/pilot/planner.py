@@ -13,14 +13,14 @@ import contextlib
 import gc
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..annotations import Templates
 from ..blocks import Block, BlockLike, normalize_blocks
-from ..conversations import ConversationStore
+from ..conversations import ConversationStore, decide_turn, labels_pay
 from ..errors import DuplicateRequestError
 from ..gain import (
     Balance,
@@ -134,6 +134,9 @@ class Planner:
         dedup = None
         if conversation_id is not None:
             dedup = self.conversations.split(conversation_id, blocks, kept_turns)
+            if dedup.turn and self.plain_prompts:  # labels and references only where they pay
+                rate = self.conversations.repeats.rate
+                dedup = decide_turn(dedup, blocks, rate, self.templates, self.token_counter, self.annotate_order)
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
         cached_blocks = cached_tokens = 0
@@ -142,16 +145,20 @@ class Planner:
             # later turns start with this conversation's own history, which no other
             # request shares: keep the retriever's order and leave the index alone
             sent = fresh
+            labels = dedup is None or dedup.labelled
             if planned_order is not None:
                 self.state.strategy.forget(rid)
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
-            plain_ok = conversation_id is None and self.plain_prompts
+            plain_ok = self.plain_ok(conversation_id, blocks)
             if planned_order is None:
                 followed = self.state.strategy.order(rid, self.strategy_keys(keys, plain_ok))
                 planned_order = key_blocks(followed)
-            choice = self.worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
+            bets = conversation_id is None or not self.plain_prompts
+            choice = self.worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent, bets)
             order, labels = choice.order, choice.labels
+            if dedup is not None:
+                dedup = replace(dedup, labelled=labels)
             self.outlook.cooccurrence.record(order)
             self.outlook.balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
@@ -187,6 +194,15 @@ class Planner:
         )
         return prepared
 
+    def plain_ok(self, conversation_id: str | None, blocks: list[Block]) -> bool:
+        """Whether a request (a conversation's first turn) may go out without labels: always
+        outside a conversation, and in one unless later turns are expected to refer to its
+        blocks for more than the labels cost (:func:`..conversations.labels_pay`)."""
+        if not self.plain_prompts or conversation_id is None:
+            return self.plain_prompts
+        rate = self.conversations.repeats.rate
+        return not labels_pay(blocks, rate, self.templates, self.token_counter)
+
     def strategy_keys(self, keys: list[str], plain_ok: bool) -> list[str]:
         """The index keys the strategy orders by: the text alone (one text per block) unless
         the blocks will carry labels (a conversation, the paper's form)."""
@@ -202,6 +218,7 @@ class Planner:
         query: str,
         chance: Chance | None,
         concurrent: bool = False,
+        bets: bool = True,
     ) -> Choice:
         """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
         keep their labels: later turns refer to them by label. ``chance``: that a later
@@ -209,7 +226,9 @@ class Planner:
         from what earlier sends bought; given for a batch sent in order: partners are sure).
         ``concurrent``: part of a burst whose callers send at once: nothing is bet on before
         the engine has served a prediction (the requests it would follow are still in
-        flight, and their order at the engine is nobody's)."""
+        flight, and their order at the engine is nobody's). ``bets``: False for a
+        conversation's first turn, reordered only where that pays now (its later turns
+        follow their own history, which the index does not see)."""
         trie = self.state.trie
         one_text = plain_ok and self.order_form != "labels"
         count = self.token_counter
@@ -227,6 +246,7 @@ class Planner:
                 if self.annotate_order and onto != keys:
                     cost += annotation_tokens(ranking, self.templates, None, "labels", count)
                 labelled = (onto, cost)
+        budget = math.inf if chance is not None and not concurrent else self.outlook.balance.budget
         return choose_order(
             order,
             keys,
@@ -239,7 +259,7 @@ class Planner:
             cache_tokens=self.cache_tokens,
             plain_ok=plain_ok,
             kept=self.outlook.retention.share_or(0.0 if concurrent else 1.0),
-            budget=math.inf if chance is not None and not concurrent else self.outlook.balance.budget,
+            budget=budget if bets else 0.0,
             retrieval_chance=self.outlook.cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
             labelled=labelled,
@@ -290,8 +310,10 @@ class Planner:
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
             self.state.reserved.update(ids)  # no concurrent prepare can take them meanwhile
+            plain_ok = [
+                self.plain_ok(item.conversation_id, blocks) for item, (blocks, _) in zip(items, normalized, strict=True)
+            ]
         try:
-            plain_ok = [item.conversation_id is None and self.plain_prompts for item in items]
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
             followed = [(rid, self.strategy_keys(keys, ok)) for (rid, keys), ok in zip(batch, plain_ok, strict=True)]
             tokens = {
