@@ -1,7 +1,9 @@
 """``demo --engine-cmd`` against live SGLang and live vLLM (CPU, tiny model): the comparison
 runs end to end, A B B A, one server flushed before every pass, and the numbers it reports
-are the engine's own and hang together; and the simulator, given the same requests in the
-engine's tokens, page size and KV pool, predicts the engine's computed tokens within 5%.
+are the engine's own and hang together; the simulator, given the same requests in the
+engine's tokens, page size and KV pool, predicts the engine's computed tokens within 5%;
+and the engine computes no more prompt tokens with ContextPilot than without (the small
+version of ``benchmarks/bench_engine.py``'s runs at scale).
 
 About 45 s per engine on 2 cores (start, warm-up, 3 modes x 4 passes x 4 requests).
 Without the engines the tests skip, unless ``CONTEXTPILOT_REQUIRE_LIVE_ENGINES`` is set (CI).
@@ -32,6 +34,7 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
     report = json.loads(capsys.readouterr().out)["engine"]
     assert report["engine"] == engine  # read from the engine's /v1/models, not from the command
     assert report["clean_cache"] == f"one server, POST {FLUSH_PATHS[engine]} before every pass"
+    assert report["order"] == "A B B A"
     assert report["simulator_cache"] == {"page_size": 16 if engine == "sglang" else 32, "capacity_tokens": 4096}
     assert set(report["modes"]) == {"offline", "online", "chat"}
     for mode, data in report["modes"].items():
@@ -53,3 +56,5 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
         ratio = data["computed_ratio"]
         expected = data["contextpilot"]["computed_tokens"] / data["retrieval_order"]["computed_tokens"]
         assert ratio == pytest.approx(expected)
+        # never worse: the engine computes no more prompt tokens with ContextPilot than without
+        assert data["contextpilot"]["computed_tokens"] <= data["retrieval_order"]["computed_tokens"], (mode, data)
