@@ -55,7 +55,9 @@ def engine_command(engine: str, args: argparse.Namespace) -> str:
         if binary is None:
             raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
         model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
-        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))
+        # one thread (-t, last one wins): on the shared 2-core machine two threads spin-wait for
+        # each other at every op; the prefix cache is the same either way
+        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram), "-t", "1"))
     from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
 
     def missing(reason: str) -> None:

@@ -37,6 +37,7 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
     assert report["order"] == "A B B A"
     assert report["simulator_cache"] == {"page_size": 16 if engine == "sglang" else 32, "capacity_tokens": 4096}
     assert set(report["modes"]) == {"offline", "online", "chat"}
+    computed = {}  # mode -> computed tokens without, with ContextPilot
     for mode, data in report["modes"].items():
         assert data["same_requests"], mode  # both arms served the same requests, every pass
         assert data["first_request_cached_tokens"] == [0, 0, 0, 0], mode  # each pass began on an empty cache
@@ -56,5 +57,7 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
         ratio = data["computed_ratio"]
         expected = data["contextpilot"]["computed_tokens"] / data["retrieval_order"]["computed_tokens"]
         assert ratio == pytest.approx(expected)
-        # never worse: the engine computes no more prompt tokens with ContextPilot than without
-        assert data["contextpilot"]["computed_tokens"] <= data["retrieval_order"]["computed_tokens"], (mode, data)
+        computed[mode] = (data["retrieval_order"]["computed_tokens"], data["contextpilot"]["computed_tokens"])
+    # never worse: the engine computes no more prompt tokens with ContextPilot than without
+    worse = {mode: pair for mode, pair in computed.items() if pair[1] > pair[0]}
+    assert not worse, worse
