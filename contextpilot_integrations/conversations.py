@@ -8,6 +8,13 @@ label, so a reference could point at either). Conversations end explicitly, expi
 ``ttl`` seconds without a turn, and the least recently used ones are dropped beyond
 ``max_conversations``.
 
+A reference needs a label to point to, and both cost prompt tokens: a turn labels its
+blocks and refers to earlier ones only where that pays (:func:`decide_turn`,
+:func:`labels_pay`), counted in the blocks' own units. A block sent without its label
+cannot be referred to: a later turn that repeats it sends it again (nothing is lost).
+How often a block sent in full comes back in a later kept turn is learnt from the
+traffic (:class:`Repeats`), so a label is a bet only where repeats are expected.
+
 Deciding and recording are two steps (:meth:`ConversationStore.split`, then
 :meth:`ConversationStore.record`), so a caller can validate everything else in between
 and a call that raises leaves nothing behind.
@@ -17,22 +24,26 @@ Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` gua
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from .annotations import Templates, render_order, render_reference
 from .blocks import Block
 
-__all__ = ["ConversationStore", "Deduplication"]
+__all__ = ["ConversationStore", "Deduplication", "Repeats", "decide_turn", "labels_pay"]
+
+TokenCounter = Callable[[str], int]
 
 
 @dataclass
 class _Conversation:
     turns: int = 0
-    # block id -> (turn, fingerprint of its text): ``hash(block.text)``, which ``str`` caches,
-    # so it costs nothing after the first use
-    carrier: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # block id -> (turn, fingerprint of its text, sent with its label): ``hash(block.text)``,
+    # which ``str`` caches, so it costs nothing after the first use
+    carrier: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     ambiguous: set[str] = field(default_factory=set)  # ids seen with two texts: always sent in full
     last_used: float = 0.0
 
@@ -47,6 +58,11 @@ class Deduplication:
     repeated: list[tuple[Block, int]]  # (block, turn that carries it)
     updated: tuple[str, ...] = ()
     """Ids an earlier turn carried with a different text (sent in full again)."""
+    repeats: int = 0
+    """Blocks of this turn a kept earlier turn sent in full, labelled or not (what
+    :class:`Repeats` learns from); those sent without their label are in ``fresh``."""
+    labelled: bool = True
+    """Whether the fresh blocks go out with their labels (later turns may refer to them)."""
 
 
 class ConversationStore:
@@ -64,6 +80,8 @@ class ConversationStore:
         self.max_conversations = max_conversations
         self._clock = clock
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self.repeats = Repeats()
+        """How often blocks come back in later turns, over all conversations."""
 
     def __len__(self) -> int:
         self._expire()
@@ -93,6 +111,7 @@ class ConversationStore:
         fresh: list[Block] = []
         repeated: list[tuple[Block, int]] = []
         updated: list[str] = []
+        repeats = 0
         for block in blocks:
             carried = carrier.get(block.id)
             if carried is None or (ambiguous and block.id in ambiguous):
@@ -101,10 +120,14 @@ class ConversationStore:
                 fresh.append(block)
                 updated.append(block.id)
             elif kept_turns is None or carried[0] in kept_turns:
-                repeated.append((block, carried[0]))
+                repeats += 1
+                if carried[2]:
+                    repeated.append((block, carried[0]))
+                else:  # sent without its label: nothing to refer to
+                    fresh.append(block)
             else:
                 fresh.append(block)
-        return Deduplication(conversation_id, conversation.turns, fresh, repeated, tuple(updated))
+        return Deduplication(conversation_id, conversation.turns, fresh, repeated, tuple(updated), repeats)
 
     def record(self, dedup: Deduplication) -> None:
         """Record a turn decided by :meth:`split`: its fresh blocks are now carried by it."""
@@ -119,8 +142,10 @@ class ConversationStore:
             raise RuntimeError("the conversation moved on between split() and record()")
         if dedup.updated:
             conversation.ambiguous.update(dedup.updated)
-        turn = dedup.turn
-        conversation.carrier.update({block.id: (turn, hash(block.text)) for block in dedup.fresh})
+        turn, labelled = dedup.turn, dedup.labelled
+        conversation.carrier.update({block.id: (turn, hash(block.text), labelled) for block in dedup.fresh})
+        self.repeats.observe(len(dedup.fresh), dedup.repeats)
+
         conversation.turns += 1
         conversation.last_used = self._clock()
 
@@ -141,8 +166,8 @@ class ConversationStore:
         if conversation is None:
             return
         for block in blocks:
-            if block.id not in conversation.ambiguous:
-                conversation.carrier[block.id] = (turn, hash(block.text))
+            if block.id not in conversation.ambiguous:  # sent in full as the reference's target: labelled
+                conversation.carrier[block.id] = (turn, hash(block.text), True)
 
     def forget_turn(self, conversation_id: str, turn: int) -> int:
         """A turn never reached the model: blocks it carried are no longer seen.
@@ -152,7 +177,7 @@ class ConversationStore:
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             return 0
-        carried = [block_id for block_id, (carrier, _) in conversation.carrier.items() if carrier == turn]
+        carried = [block_id for block_id, (carrier, _, _) in conversation.carrier.items() if carrier == turn]
         for block_id in carried:
             del conversation.carrier[block_id]
         return len(carried)
@@ -170,3 +195,99 @@ class ConversationStore:
             if oldest.last_used >= horizon:
                 break
             del self._conversations[oldest_id]
+
+
+LABEL_MARGIN = 3
+"""How many times a label and a reference are counted against the tokens a reference may
+save, in a bet: a labelled turn is sent again as the history of the turns that could refer
+to it, labels included, and a turn with references pays the order annotation for its
+whole ranking."""
+
+
+class Repeats:
+    """How many times a block sent in full comes back in a later turn of its conversation
+    that still keeps it (where a reference could replace it), per block sent in full, over
+    all conversations; recent turns weigh most (counts decay by ``decay`` a turn). Before
+    any traffic it assumes ``prior`` repeats a block (the paper's multi-turn setting), worth
+    ``weight`` blocks of evidence, which fades as turns come in: on traffic whose
+    conversations never come back to a block, labels soon stop being paid for. Not
+    thread-safe: the pilot's lock guards it."""
+
+    __slots__ = ("_repeats", "_sent", "decay")
+
+    def __init__(self, prior: float = 1.0, weight: float = 16.0, decay: float = 0.99) -> None:
+        if prior < 0 or weight < 0 or not 0.0 < decay <= 1.0:
+            raise ValueError("prior and weight must be at least 0, decay in (0, 1]")
+        self.decay = decay
+        self._sent = weight
+        self._repeats = prior * weight
+
+    def observe(self, sent: int, repeats: int) -> None:
+        """One turn: ``sent`` blocks in full, ``repeats`` blocks a kept earlier turn sent."""
+        self._sent = self._sent * self.decay + sent
+        self._repeats = self._repeats * self.decay + repeats
+
+    @property
+    def rate(self) -> float:
+        """Later repeats expected per block sent in full."""
+        return self._repeats / self._sent if self._sent > 0 else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _costs(label: str, templates: Templates, count: TokenCounter) -> tuple[int, int]:
+    """(tokens the label adds to a block, tokens a reference to it costs with its place in
+    the order annotation)."""
+    item = templates.order_item.format(label=label) + templates.order_joiner
+    reference = templates.reference.format(label=label)
+    return count(templates.block.format(label=label, text="")), count(reference) + count(item)
+
+
+def _bet(blocks: Sequence[Block], rate: float, templates: Templates, count: TokenCounter, labels: bool = True) -> float:
+    """What later references to these blocks are expected to buy (each later repeat saves a
+    block's tokens less its reference's), less what their labels cost (``labels``: they are
+    sent labelled now; else they already were)."""
+    value = 0.0
+    for block in blocks:
+        label, reference = _costs(block.label, templates, count)
+        value += rate * max(block.token_count - LABEL_MARGIN * reference, 0) - (LABEL_MARGIN * label if labels else 0)
+    return value
+
+
+def labels_pay(blocks: Sequence[Block], rate: float, templates: Templates, count: TokenCounter) -> bool:
+    """Whether a first turn's blocks are worth labelling, so later turns can refer to them
+    (short blocks never are: a reference is about as long)."""
+    return _bet(blocks, rate, templates, count) > 0
+
+
+def decide_turn(
+    dedup: Deduplication,
+    ranking: Sequence[Block],
+    rate: float,
+    templates: Templates,
+    count: TokenCounter,
+    annotate: bool = True,
+) -> Deduplication:
+    """A later turn, sent in the retriever's order as the cheapest of: every block as its
+    text alone (as without ContextPilot); every block labelled (a bet on later references,
+    :func:`_bet`); or labelled with a reference for each repeated block whose reference
+    costs fewer tokens than its text, plus the order annotation where references leave the
+    retriever's order. Ties go to the plain send. A block referred to stays referable, as a
+    block labelled now becomes: both count what later references are expected to buy."""
+    plain = replace(dedup, fresh=list(ranking), repeated=[], labelled=False)
+    labelled = replace(plain, labelled=True)
+    best, value = plain, 0.0
+    bet = _bet(ranking, rate, templates, count)
+    if bet > value:
+        best, value = labelled, bet
+    references = [(b, t) for b, t in dedup.repeated if count(render_reference(b, templates)) < b.token_count]
+    if references:
+        referred = {block.id for block, _ in references}
+        fresh = [block for block in ranking if block.id not in referred]
+        saved = float(sum(block.token_count - count(render_reference(block, templates)) for block, _ in references))
+        read = [block.id for block in fresh] + [block.id for block, _ in references]
+        if annotate and read != [block.id for block in ranking]:
+            saved -= count(render_order(ranking, templates))
+        saved += _bet(fresh, rate, templates, count) + _bet([b for b, _ in references], rate, templates, count, False)
+        if saved > value:
+            best = replace(dedup, fresh=fresh, repeated=references, labelled=True)
+    return best

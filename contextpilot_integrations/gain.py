@@ -15,13 +15,13 @@ up per piece, as the simulator counts) against the reuse it buys:
   before it (a prefix cache reuses only a common prefix); sure for a partner later in a
   batch sent in order.
 
-One text per block (the ``positions`` and ``moved`` forms, the default outside
-conversations): a block is its text alone whether the request is reordered or not, and the
-annotation ranks blocks by their position in the prompt; a later request lines up with an
-earlier one whichever way that one went out. The paper's form (``labels``: every block
-labelled, the ranking restated by label; always in a conversation, whose later turns refer
-to blocks by label) is another text, so the index keeps labelled blocks apart
-(:func:`labelled_key`).
+One text per block (the ``positions`` and ``moved`` forms, the default, and a
+conversation's turns unless their labels pay, :mod:`.conversations`): a block is its text
+alone whether the request is reordered or not, and the annotation ranks blocks by their
+position in the prompt; a later request lines up with an earlier one whichever way that
+one went out. The paper's form (``labels``: every block labelled, the ranking restated by
+label; a conversation's turns whose blocks later turns are expected to refer to by label)
+is another text, so the index keeps labelled blocks apart (:func:`labelled_key`).
 
 Both terms count only as much as the engine has served what the index predicted
 (:class:`Retention`, from the engine's cached-token reports), and a score is kept

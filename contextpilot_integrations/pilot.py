@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .annotations import DEFAULT_TEMPLATES, Templates
 from .blocks import Block, BlockLike, normalize_blocks
-from .conversations import ConversationStore
+from .conversations import ConversationStore, decide_turn, labels_pay
 from .errors import DuplicateRequestError
 from .gain import (
     FORMS,
@@ -182,8 +182,9 @@ class ContextPilot:
             ``"positions"`` (default: each block is its text alone, the ranking restated by
             position, so a block is the same text whether its request is reordered or not),
             ``"moved"`` (only the blocks out of place), or ``"labels"`` (the paper's: every
-            block labelled, the ranking restated by label). A conversation always labels
-            its blocks: later turns refer to them by label.
+            block labelled, the ranking restated by label). A conversation labels its
+            blocks only where later turns are expected to refer to them for more than the
+            labels cost (:mod:`.conversations`), and ranks them by label then.
         token_counter: counts the tokens of a text (the engine's tokenizer), so labels and
             the annotation are weighed in the blocks' units; default: four characters a
             token, rounded up.
@@ -340,6 +341,9 @@ class ContextPilot:
         dedup = None
         if conversation_id is not None:
             dedup = self._conversations.split(conversation_id, blocks, kept_turns)
+            if dedup.turn and self.plain_prompts:  # labels and references only where they pay
+                rate = self._conversations.repeats.rate
+                dedup = decide_turn(dedup, blocks, rate, self.templates, self.token_counter, self.annotate_order)
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
         cached_blocks = cached_tokens = 0
@@ -348,16 +352,24 @@ class ContextPilot:
             # later turns start with this conversation's own history, which no other
             # request shares: keep the retriever's order and leave the index alone
             sent = fresh
+            labels = dedup is None or dedup.labelled
             if planned_order is not None:
                 self._strategy.forget(rid)
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
-            plain_ok = conversation_id is None and self.plain_prompts
+            plain_ok = self._plain_ok(conversation_id, blocks)
             if planned_order is None:
                 followed = self._strategy.order(rid, self._strategy_keys(keys, plain_ok))
                 planned_order = key_blocks(followed)
-            choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
+            if conversation_id is not None and self.plain_prompts:
+                # the retriever's order: the cache also holds this conversation's later turns,
+                # which the index does not see, so a reorder's gain cannot be predicted here
+                choice = Choice(keys, not plain_ok)
+            else:
+                choice = self._worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent)
             order, labels = choice.order, choice.labels
+            if dedup is not None:
+                dedup = replace(dedup, labelled=labels)
             self._cooccurrence.record(order)
             self._balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
@@ -405,6 +417,15 @@ class ContextPilot:
             order_form=self.order_form,
         )
         return prepared
+
+    def _plain_ok(self, conversation_id: str | None, blocks: list[Block]) -> bool:
+        """Whether a request (a conversation's first turn) may go out without labels: always
+        outside a conversation, and in one unless later turns are expected to refer to its
+        blocks for more than the labels cost (:func:`.conversations.labels_pay`)."""
+        if not self.plain_prompts or conversation_id is None:
+            return self.plain_prompts
+        rate = self._conversations.repeats.rate
+        return not labels_pay(blocks, rate, self.templates, self.token_counter)
 
     def _strategy_keys(self, keys: list[str], plain_ok: bool) -> list[str]:
         """The index keys the strategy orders by: the text alone (one text per block) unless
@@ -510,8 +531,11 @@ class ContextPilot:
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
             self._reserved.update(ids)  # no concurrent prepare can take them meanwhile
+            plain_ok = [
+                self._plain_ok(item.conversation_id, blocks)
+                for item, (blocks, _) in zip(items, normalized, strict=True)
+            ]
         try:
-            plain_ok = [item.conversation_id is None and self.plain_prompts for item in items]
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
             followed = [(rid, self._strategy_keys(keys, ok)) for (rid, keys), ok in zip(batch, plain_ok, strict=True)]
             tokens = {

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from contextpilot_integrations import Block
-from contextpilot_integrations.conversations import ConversationStore
+from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.conversations import ConversationStore, Repeats
 
 
 def blocks(*ids: int) -> list[Block]:
@@ -55,3 +55,81 @@ def test_forgetting_a_failed_turn() -> None:
     store.deduplicate("c", blocks(1, 2))
     assert store.forget_turn("c", 0) == 2 and store.forget_turn("nope", 0) == 0
     assert [b.id for b in store.deduplicate("c", blocks(1)).fresh] == ["1"]
+
+
+# ---- a label or a reference only where it pays (issue 29) -------------------------------------------
+def doc(name: str, tokens: int) -> Block:
+    return Block(id=name, text=f"{name} " * 20, tokens=tokens)
+
+
+def test_short_blocks_go_out_as_without_contextpilot_turn_after_turn() -> None:
+    """A reference is about as long as a 15-token chunk: de-duplicating it saves nothing and
+    its label and the order annotation cost more, so every turn is the plain prompt."""
+    pilot = ContextPilot()
+    turns = [["a", "b", "c"], ["b", "c", "d"], ["c", "d", "a"]]
+    for number, ids in enumerate(turns):
+        blocks = [doc(name, 15) for name in ids]
+        prepared = pilot.prepare(blocks, f"q{number}", conversation_id="c")
+        assert prepared.turn == number and prepared.references == () and not prepared.labels
+        assert prepared.render() == "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
+
+
+def test_a_reference_replaces_only_a_block_longer_than_itself() -> None:
+    pilot = ContextPilot()
+    pilot.prepare([doc("long", 300), doc("short", 10)], "q", conversation_id="c")
+    second = pilot.prepare([doc("long", 300), doc("short", 10), doc("new", 300)], "q", conversation_id="c")
+    assert [r.block.id for r in second.references] == ["long"]
+    assert [b.id for b in second.blocks] == ["short", "new"] and second.labels  # the annotation names them
+
+
+def test_a_reference_that_costs_more_than_it_saves_is_not_made() -> None:
+    """30 tokens of text against a 13-token reference, but moving it after the fresh blocks
+    needs the order annotation, which costs more than the 17 tokens saved."""
+    pilot = ContextPilot()
+    ranking = ["r", *(f"f{n}" for n in range(12))]
+    pilot.prepare([doc("r", 300)], "q", conversation_id="c")
+    second = pilot.prepare([doc("r", 30), *(doc(name, 300) for name in ranking[1:])], "q", conversation_id="c")
+    assert second.references == () and [b.id for b in second.blocks] == ranking
+
+
+def test_labels_stop_where_conversations_never_come_back_to_a_block() -> None:
+    """Traffic whose conversations have one turn each: the first ones are labelled for the
+    references a multi-turn conversation brings, then the traffic shows none come."""
+    pilot = ContextPilot()
+    labelled = [
+        pilot.prepare([doc(f"d{n}.{k}", 600) for k in range(15)], "q", conversation_id=f"c{n}").labels
+        for n in range(300)
+    ]
+    assert labelled[0] and not any(labelled[-100:])
+    assert pilot._conversations.repeats.rate < 0.01
+
+
+def test_a_block_first_sent_plain_is_sent_again_then_referred_to_once_labelled() -> None:
+    """300 conversations start before any comes back: labels stop being bet on. Their second
+    turns repeat 5 blocks each: referred to where the first turn was labelled, else sent
+    again in full (labelled, now that the traffic shows repeats); the third turn refers to
+    that copy."""
+    pilot = ContextPilot()
+
+    def turn(n: int, t: int) -> list[Block]:
+        return [doc(f"c{n}.{k}", 600) for k in range(5)] + [doc(f"c{n}.t{t}.{k}", 600) for k in range(10)]
+
+    firsts = [pilot.prepare(turn(n, 0), "q", conversation_id=f"c{n}") for n in range(300)]
+    assert firsts[0].labels and not firsts[-1].labels
+    seconds = [pilot.prepare(turn(n, 1), "q", conversation_id=f"c{n}") for n in range(300)]
+    assert [(r.block.id, r.turn) for r in seconds[0].references] == [(f"c0.{k}", 0) for k in range(5)]
+    assert seconds[-1].references == () and len(seconds[-1].blocks) == 15  # no label to point to: in full
+    assert seconds[-1].labels  # the repeats are evidence: labels pay again
+    third = pilot.prepare(turn(299, 2), "q", conversation_id="c299")
+    assert [(r.block.id, r.turn) for r in third.references] == [(f"c299.{k}", 1) for k in range(5)]
+
+
+def test_repeats_learn_from_the_traffic_and_forget_the_prior() -> None:
+    repeats = Repeats(prior=1.0, weight=10.0, decay=1.0)
+    assert repeats.rate == 1.0
+    repeats.observe(sent=10, repeats=0)
+    assert repeats.rate == 0.5
+    repeats.observe(sent=0, repeats=20)
+    assert repeats.rate == 1.5
+    with pytest.raises(ValueError):
+        Repeats(decay=0.0)

@@ -51,7 +51,8 @@ def test_a_request_larger_than_the_cache_is_not_indexed() -> None:
 
 
 def test_a_conversation_keeps_its_labels() -> None:
-    """Later turns refer to its blocks by label, so turn 0 is labelled even when nothing recurs."""
+    """Later turns refer to its blocks by label, so on a fresh pilot (where later turns are
+    expected to come back to a block) turn 0 is labelled even when nothing recurs."""
     pilot = ContextPilot()
     first = pilot.prepare([doc("a"), doc("b")], "q", conversation_id="c")
     assert first.labels and "[a] " in first.render()

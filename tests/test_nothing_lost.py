@@ -30,15 +30,19 @@ def snapshot(pilot: ContextPilot) -> tuple[object, ...]:
 # ---- 1. an updated document is never a reference to its old text ------------------------------
 def test_updated_document_under_the_same_id_is_sent_again() -> None:
     pilot = ContextPilot()
-    pilot.prepare([{"id": "doc1", "text": "price 10"}], "q", conversation_id="c")
-    second = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
+
+    def doc(block_id: str, text: str) -> dict[str, object]:  # long enough for a reference to pay
+        return {"id": block_id, "text": text, "tokens": 300}
+
+    pilot.prepare([doc("doc1", "price 10")], "q", conversation_id="c")
+    second = pilot.prepare([doc("doc1", "price 99")], "q", conversation_id="c")
     assert [b.text for b in second.blocks] == ["price 99"] and second.references == ()
     # the history now holds two texts labelled doc1: never refer to either
-    third = pilot.prepare([{"id": "doc1", "text": "price 99"}], "q", conversation_id="c")
+    third = pilot.prepare([doc("doc1", "price 99")], "q", conversation_id="c")
     assert [b.text for b in third.blocks] == ["price 99"] and third.references == ()
     # other documents are still de-duplicated
-    pilot.prepare([{"id": "doc2", "text": "stable"}], "q", conversation_id="c")
-    assert [r.block.id for r in pilot.prepare([{"id": "doc2", "text": "stable"}], "q", "c").references] == ["doc2"]
+    pilot.prepare([doc("doc2", "stable")], "q", conversation_id="c")
+    assert [r.block.id for r in pilot.prepare([doc("doc2", "stable")], "q", "c").references] == ["doc2"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,19 +59,24 @@ def test_updated_document_under_the_same_id_is_sent_again() -> None:
 def test_every_reference_points_at_the_same_text_in_a_kept_turn(
     turns: list[tuple[list[tuple[int, int]], set[int] | None]],
 ) -> None:
-    """Property: a reference names a turn the caller keeps, which sent exactly this text."""
+    """Property: a reference names a turn the caller keeps, which sent exactly this text
+    with the label the reference names; blocks are short or long (a reference pays only
+    for the long ones)."""
     pilot = ContextPilot()
-    sent: dict[int, dict[str, str]] = {}  # turn -> block id -> text sent in full
+    sent: dict[int, dict[str, tuple[str, bool]]] = {}  # turn -> block id -> (text sent in full, labelled)
     for docs, kept in turns:
-        blocks = list({i: Block(id=f"d{i}", text=f"version {v} of {i}") for i, v in docs}.values())
+        blocks = list(
+            {i: Block(id=f"d{i}", text=f"version {v} of {i}", tokens=1 + 150 * (i % 3)) for i, v in docs}.values()
+        )
         prepared = pilot.prepare(blocks, "q", conversation_id="c", kept_turns=kept)
         assert sorted([b.id for b in prepared.blocks] + [r.block.id for r in prepared.references]) == sorted(
             b.id for b in blocks
         )
         for reference in prepared.references:
             assert kept is None or reference.turn in kept
-            assert sent[reference.turn][reference.block.id] == reference.block.text
-        sent[prepared.turn] = {b.id: b.text for b in prepared.blocks}  # type: ignore[index]
+            assert sent[reference.turn][reference.block.id] == (reference.block.text, True)
+            assert reference.block.token_count > 1  # never for a block shorter than its reference
+        sent[prepared.turn] = {b.id: (b.text, prepared.labels) for b in prepared.blocks}  # type: ignore[index]
 
 
 # ---- 2. a rejected call leaves nothing behind ---------------------------------------------------

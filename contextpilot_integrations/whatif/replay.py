@@ -408,7 +408,7 @@ class _Run:
             prepared = self.pilot.prepare(
                 blocks,
                 request.question or "",
-                name if deduplicate else None,
+                name if deduplicate and request.conversation is not None else None,
                 kept_turns=kept if deduplicate else None,
                 request_id=f"r{index}",
             )

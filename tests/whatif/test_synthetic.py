@@ -6,6 +6,7 @@ from a cache of 1% of the working set to one that never evicts, every prompt tok
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.gain import label_tokens
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
@@ -160,3 +162,38 @@ def test_contextpilot_never_computes_more_than_retrieval_order(
     assert ours <= without, (
         f"{mode} at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
     )
+
+
+# ---- chat over the family: a label or a reference only where it pays (issue 29) --------------------
+@pytest.mark.parametrize(
+    ("spec", "fraction"),
+    [
+        (replace(FAMILIES["scattered"], requests=200), 0.01),  # lines without a conversation: single requests
+        (replace(FAMILIES["memory-snippets"], requests=200, block_tokens=(10, 20)), 0.25),  # shorter than a reference
+        (replace(FAMILIES["passages"], requests=200, block_tokens=(12, 16), turns=(2, 10)), 0.01),  # 60 characters
+    ],
+    ids=["scattered-1%", "snippets-under-a-reference", "60-character-chunks"],
+)
+def test_chat_never_computes_more_than_resending_every_block(spec: Family, fraction: float) -> None:
+    without, ours = _prefill(generate(spec, seed=0), "chat", fraction)
+    assert ours <= without, f"chat at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.25, 1.0])
+def test_chat_never_loses_on_a_named_family(name: str, fraction: float) -> None:
+    without, ours = _prefill(generate(FAMILIES[name].with_requests(300), seed=1), "chat", fraction)
+    assert ours <= without, f"{name} chat at {fraction:.0%}: {ours:,} > {without:,}"
+
+
+def test_conversations_that_never_come_back_cost_at_most_the_first_turns_labels() -> None:
+    """The residual of the prior (:class:`~contextpilot_integrations.conversations.Repeats`):
+    a fresh pilot labels the first turns for the references multi-turn conversations bring;
+    where none come (two-turn conversations sharing nothing, a 1% cache that keeps nothing),
+    that costs at most the labels of the first 16 turns, sent and resent as history."""
+    trace = generate(replace(FAMILIES["passages"], requests=120, turns=(2, 2), locality=0.0), seed=0)
+    without, ours = _prefill(trace, "chat", 0.01)
+    firsts = [r for r in trace if r.turn == 0][:16]
+    pilot = ContextPilot()
+    bound = 2 * sum(label_tokens([Block(id=b, text=b) for b in r.blocks], pilot.templates) for r in firsts)
+    assert ours - without <= bound, (ours - without, bound)
