@@ -140,6 +140,8 @@ class _Summary:
     wall: float
     simulated: int | None
     """The simulator's computed tokens for the same requests, or None."""
+    passes: int = 2
+    """How many passes of this arm were summed (2 in A B B A, 1 in A B)."""
 
     @classmethod
     def of(cls, passes: Sequence[EnginePass]) -> _Summary:
@@ -153,13 +155,14 @@ class _Summary:
             sum(p.cached_tokens for p in passes),
             statistics.fmean(p.wall_s for p in passes),
             simulated,
+            len(passes),
         )
 
     def as_json(self) -> dict[str, Any]:
         computed = self.prompt - self.cached
         return {
             "name": self.name,
-            "requests_per_pass": len(self.ttft) // 2,
+            "requests_per_pass": len(self.ttft) // self.passes,
             "mean_ttft_s": statistics.fmean(self.ttft) if self.ttft else 0.0,
             "p50_ttft_s": _percentile(self.ttft, 0.5),
             "p90_ttft_s": _percentile(self.ttft, 0.9),
