@@ -6,7 +6,8 @@
    and live vLLM (``scripts/setup_live_engine.sh``, tiny random-weight HF Llama, one server
    flushed before every pass, a KV pool of ``--kv-tokens``), all on CPU. The bundled
    MultiHop-RAG queries offline, online and as interleaved chats, without ContextPilot
-   (the texts in retrieval order, no labels, no annotation) against ContextPilot, A B B A.
+   (the texts in retrieval order, no labels, no annotation) against ContextPilot, A B B A
+   (``--passes 2``: A B, for long runs; token counts do not drift between passes, times may).
    Prints, per engine and mode, the engine's own prompt, cached and computed (prompt -
    cached) tokens side by side, and time to first token only as a ratio within the run;
    beside each arm's computed tokens, the simulator's for the very same requests (the
@@ -21,7 +22,7 @@ keep 1 earlier turn and answer 16 tokens; 3 modes x 4 passes x 40 = 480 requests
 engine, a few minutes each on 2 CPU cores.
 
 Usage: python benchmarks/bench_engine.py [--engines llama-server,sglang,vllm] [--requests 40]
-       [--block-chars 200] [--kv-tokens 16384] [--cache-ram MiB] [--skip-sync]
+       [--block-chars 200] [--passes 4|2] [--kv-tokens 16384] [--cache-ram MiB] [--skip-sync]
        [--url URL]  (an already running server instead, flushed before every pass)"""
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def engine_command(engine: str, args: argparse.Namespace) -> str:
         if binary is None:
             raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
         model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
-        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))
+        # one thread (-t, last one wins): on the shared 2-core machine two threads spin-wait for
+        # each other at every op; the prefix cache is the same either way
+        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram), "-t", "1"))
     from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
 
     def missing(reason: str) -> None:
@@ -70,7 +73,8 @@ def compare(engine: str | None, args: argparse.Namespace) -> dict[str, Any]:
     target = ["--engine", args.url] if args.url else ["--engine-cmd", engine_command(engine or "", args)]
     demo = ["demo", "--modes", "offline", "--capacity", "0.25", "--strategies", "retrieval,trie", "--no-plot"]
     sizes = ["--engine-requests", str(args.requests), "--engine-block-chars", str(args.block_chars)]
-    sizes += ["--engine-modes", args.modes, "--history-turns", "1", "--answer-tokens", "16", "--json"]
+    sizes += ["--engine-modes", args.modes, "--engine-passes", str(args.passes)]
+    sizes += ["--history-turns", "1", "--answer-tokens", "16", "--json"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = cli([*demo, *sizes, *target])
@@ -81,9 +85,12 @@ def compare(engine: str | None, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_engines(args: argparse.Namespace) -> None:
+    order, summed = (
+        ("A B B A", "both passes of an arm") if args.passes == 4 else ("A B (two passes)", "one pass an arm")
+    )
     print(
         f"\n== engine comparison: {args.requests} requests a pass, chunks of {args.block_chars} characters, "
-        "A B B A, every pass on an empty cache; tokens summed over both passes of an arm =="
+        f"{order}, every pass on an empty cache; tokens summed over {summed} =="
     )
     head = (
         f"{'engine':<13}{'mode':<9}{'prompt w/o':>12}{'prompt with':>13}{'cached w/o':>12}{'cached with':>13}"
@@ -109,7 +116,8 @@ def bench_engines(args: argparse.Namespace) -> None:
                 f"{base['cached_tokens']:>12,}{ours['cached_tokens']:>13,}{base['computed_tokens']:>14,}"
                 f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}{simulated}"
             )
-        print(f"{'':<13}({report['clean_cache']})", flush=True)
+            print(f"{'':<22}cached {base['cached_ratio']:.1%} without, {ours['cached_ratio']:.1%} with ContextPilot")
+        print(f"{'':<13}({report['clean_cache']}; order {report['order']})", flush=True)
     print("ratio: computed prompt tokens with / without ContextPilot (below 1: ContextPilot computes fewer)")
     print("simulator: its computed tokens for the same requests; gap: simulator / engine - 1")
 
@@ -171,6 +179,7 @@ def main() -> None:
     parser.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram (MiB of prompt cache)")
     parser.add_argument("--url", help="use this running server (it must flush its cache) instead of --engines")
     parser.add_argument("--modes", default="offline,online,chat", help="modes compared on the server")
+    parser.add_argument("--passes", type=int, choices=(4, 2), default=4, help="4: A B B A; 2: A B (long runs)")
     parser.add_argument("--sync-requests", type=int, default=2_000)
     parser.add_argument("--skip-sync", action="store_true", help="skip the eviction-sync latency")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the engine comparison")

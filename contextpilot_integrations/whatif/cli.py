@@ -256,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
             "--engine-modes", type=_names(MODES, "mode"), default=list(MODES), help="modes compared on the server"
         )
         command.add_argument("--engine-block-chars", type=_count(1), help="cut each block to this many characters")
+        command.add_argument(
+            "--engine-passes", type=int, choices=(4, 2), default=4, help="passes a mode: 4 (A B B A) or 2 (A B)"
+        )
         command.add_argument("--model", default="default", help="the model name the server expects")
         command.add_argument("--json", action="store_true", help="print results as JSON")
         command.add_argument("--out", type=Path, default=Path("contextpilot-out"), help="where the plot goes")

@@ -4,7 +4,8 @@ a clean cache.
 Used by ``contextpilot-integrations demo|simulate --engine URL`` (or ``--engine-cmd CMD``)
 and the engine benchmark. For each mode (offline, online, chat) it runs four passes,
 without ContextPilot, ContextPilot, ContextPilot, without (A B B A, so drift cancels),
-each starting from an empty cache. The baseline is what an application without
+each starting from an empty cache; or two (A B, ``--engine-passes 2``) where a pass is
+long: token counts do not drift, only times do. The baseline is what an application without
 ContextPilot sends: the documents' texts in retrieval order, no labels, no annotation,
 every block resent in chat. Which engine serves is read from its ``/v1/models``
 (``owned_by``): SGLang is emptied with ``/flush_cache``, vLLM with ``/reset_prefix_cache``
@@ -57,6 +58,8 @@ __all__ = [
 
 BASELINE = "retrieval order"
 """The pass without ContextPilot (the JSON key stays ``retrieval_order``)."""
+ORDERS = {4: (BASELINE, "contextpilot", "contextpilot", BASELINE), 2: (BASELINE, "contextpilot")}
+"""The passes of each mode, by ``--engine-passes``: A B B A (drift in time cancels) or A B."""
 
 
 class EngineComparisonError(ContextPilotError):
@@ -137,6 +140,8 @@ class _Summary:
     wall: float
     simulated: int | None
     """The simulator's computed tokens for the same requests, or None."""
+    passes: int = 2
+    """How many passes of this arm were summed (2 in A B B A, 1 in A B)."""
 
     @classmethod
     def of(cls, passes: Sequence[EnginePass]) -> _Summary:
@@ -150,13 +155,14 @@ class _Summary:
             sum(p.cached_tokens for p in passes),
             statistics.fmean(p.wall_s for p in passes),
             simulated,
+            len(passes),
         )
 
     def as_json(self) -> dict[str, Any]:
         computed = self.prompt - self.cached
         return {
             "name": self.name,
-            "requests_per_pass": len(self.ttft) // 2,
+            "requests_per_pass": len(self.ttft) // self.passes,
             "mean_ttft_s": statistics.fmean(self.ttft) if self.ttft else 0.0,
             "p50_ttft_s": _percentile(self.ttft, 0.5),
             "p90_ttft_s": _percentile(self.ttft, 0.9),
@@ -181,25 +187,28 @@ class EngineComparison:
     passes: list[EnginePass] = field(default_factory=list)
     cache: CacheShape | None = None
     """The engine's page size and KV pool, as the simulator was given them."""
+    order: tuple[str, ...] = ORDERS[4]
+    """The passes of each mode, in the order they ran."""
 
     @classmethod
     def run(
         cls, args: argparse.Namespace, single: Sequence[TraceRequest], chat: Sequence[TraceRequest]
     ) -> EngineComparison:
-        """Run every mode of ``args.engine_modes``: four passes each, A B B A."""
+        """Run every mode of ``args.engine_modes``: ``args.engine_passes`` passes each (A B B A or A B)."""
         for name, trace in (("single-shot", single), ("chat", chat)):
             if any(r.texts is None for r in trace):
                 raise EngineComparisonError(f"the {name} trace carries no block texts: a server needs the text")
         workloads = _Workloads(args, single, chat)
         progress = not (args.quiet or args.json)
         passes: list[EnginePass] = []
+        order = ORDERS[args.engine_passes]
         with _Server(args.engine, args.engine_cmd) as server:
             for mode in args.engine_modes:
-                for name in (BASELINE, "contextpilot", "contextpilot", BASELINE):
+                for name in order:
                     with server.clean() as url:
                         passes.append(workloads.run(mode, name, url, server, progress))
             shape = _simulate(passes, url, server, args.model, progress)
-        return cls(server.name, server.how, server.kind, passes, shape)
+        return cls(server.name, server.how, server.kind, passes, shape, order)
 
     def summaries(self, mode: str) -> tuple[_Summary, _Summary]:
         ours = [p for p in self.passes if p.mode == mode and p.name == "contextpilot"]
@@ -214,6 +223,7 @@ class EngineComparison:
             "server": self.server,
             "engine": self.engine,
             "clean_cache": self.clean_cache,
+            "order": " ".join("B" if name == "contextpilot" else "A" for name in self.order),
             "baseline": "without ContextPilot: the texts in retrieval order, no labels, no annotation",
             "simulator_cache": None if self.cache is None else {"page_size": self.cache.page_size,
                                                                 "capacity_tokens": self.cache.capacity_tokens},
@@ -236,7 +246,8 @@ class EngineComparison:
 
     def print(self) -> None:
         print(
-            f"\nserver {self.server} ({self.engine}): every pass on an empty cache ({self.clean_cache}); order A B B A"
+            f"\nserver {self.server} ({self.engine}): every pass on an empty cache ({self.clean_cache}); order "
+            + " ".join("B" if name == "contextpilot" else "A" for name in self.order)
         )
         print("baseline: without ContextPilot (the texts in retrieval order, no labels, no annotation)")
         if self.cache is not None:

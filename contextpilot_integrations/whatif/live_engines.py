@@ -18,7 +18,8 @@ What it takes on CPU (measured 2026-11-25, 2 cores, no GPU; from the project's r
   PUB socket *connects* to a concrete ``tcp://127.0.0.1:P`` (the subscriber binds), and
   events sent while no subscriber is connected are lost.
 - SGLang 0.5.23: ``--device cpu --attention-backend torch_native`` with
-  ``SGLANG_USE_CPU_ENGINE=1``; ``sgl-kernel`` has no CPU build on the package registry,
+  ``SGLANG_USE_CPU_ENGINE=1``, ``OMP_NUM_THREADS=1`` and ``--dtype float32`` (9x faster
+  than two threads in bfloat16 on a busy 2-core machine); ``sgl-kernel`` has no CPU build on the package registry,
   so the venv holds a stand-in (``scripts/sgl_kernel_stand_in.py``) whose every function
   raises if called (nothing calls it on this path). ``--max-total-tokens`` caps the KV
   pool. Its PUB socket binds (``"bind": true``) and the subscriber connects. Our plugin
@@ -250,13 +251,18 @@ def sglang_args(
     args = [str(where / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
     args += ["--model-path", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
     args += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "bfloat16"]
+    # float32: torch's native bfloat16 norms and rotary embeddings on CPU are slower than float32
+    args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32"]
     args += ["--context-length", str(context_length), "--max-total-tokens", str(max_total_tokens)]
     args += ["--page-size", str(page_size), "--disable-overlap-schedule", "--enable-cache-report"]
     args += ["--skip-server-warmup"]
     if kv_events_config is not None:
         args += ["--kv-events-config", json.dumps(dict(kv_events_config))]
-    return [*args, *extra_args], {"SGLANG_USE_CPU_ENGINE": "1"}
+    # one OpenMP thread: the tiny model gains nothing from two, and on a busy machine every
+    # op of a two-thread forward waits at a barrier for a thread that lost its core (a
+    # ~1,000-token prefill at load average ~18: 4.0 s with two threads in bfloat16, 0.76 s
+    # with one, 0.45 s with one in float32; the prefix cache is the same in every case)
+    return [*args, *extra_args], {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def start_sglang(

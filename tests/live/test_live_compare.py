@@ -1,7 +1,10 @@
 """``demo --engine-cmd`` against live SGLang and live vLLM (CPU, tiny model): the comparison
 runs end to end, A B B A, one server flushed before every pass, and the numbers it reports
-are the engine's own and hang together; and the simulator, given the same requests in the
-engine's tokens, page size and KV pool, predicts the engine's computed tokens within 5%.
+are the engine's own and hang together; the simulator, given the same requests in the
+engine's tokens, page size and KV pool, predicts the engine's computed tokens within 5%;
+and the engine computes no more prompt tokens with ContextPilot than without (the small
+version of ``benchmarks/bench_engine.py``'s runs at scale; offline on these 4 requests it
+computes 1.6% more on vLLM, an open breach the test reports as xfail until it is fixed).
 
 About 45 s per engine on 2 cores (start, warm-up, 3 modes x 4 passes x 4 requests).
 Without the engines the tests skip, unless ``CONTEXTPILOT_REQUIRE_LIVE_ENGINES`` is set (CI).
@@ -32,8 +35,10 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
     report = json.loads(capsys.readouterr().out)["engine"]
     assert report["engine"] == engine  # read from the engine's /v1/models, not from the command
     assert report["clean_cache"] == f"one server, POST {FLUSH_PATHS[engine]} before every pass"
+    assert report["order"] == "A B B A"
     assert report["simulator_cache"] == {"page_size": 16 if engine == "sglang" else 32, "capacity_tokens": 4096}
     assert set(report["modes"]) == {"offline", "online", "chat"}
+    computed = {}  # mode -> computed tokens without, with ContextPilot
     for mode, data in report["modes"].items():
         assert data["same_requests"], mode  # both arms served the same requests, every pass
         assert data["first_request_cached_tokens"] == [0, 0, 0, 0], mode  # each pass began on an empty cache
@@ -53,3 +58,26 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
         ratio = data["computed_ratio"]
         expected = data["contextpilot"]["computed_tokens"] / data["retrieval_order"]["computed_tokens"]
         assert ratio == pytest.approx(expected)
+        computed[mode] = (data["retrieval_order"]["computed_tokens"], data["contextpilot"]["computed_tokens"])
+    # never worse: the engine computes no more prompt tokens with ContextPilot than without
+    worse = {mode: pair for mode, pair in computed.items() if pair[1] > pair[0]}
+    assert set(worse) <= {"offline"}, worse
+    if worse:  # open: 4 requests share 3 blocks; the batch plan's reordering costs more than they save
+        pytest.xfail(f"offline computes more with ContextPilot (without, with): {worse['offline']}")
+
+
+def test_two_passes_run_a_then_b(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--engine-passes 2`` (long runs at scale): one pass without ContextPilot, then one with."""
+    command = live_engine_command("vllm", require_live_engine("vllm", pytest.skip), kv_tokens=4096, context=4096)
+    args = ["demo", "--modes", "offline", "--capacity", "0.25", "--strategies", "retrieval,trie", "--no-plot"]
+    args += ["--json", "--engine-cmd", command, "--engine-requests", str(REQUESTS), "--engine-block-chars", "60"]
+    args += ["--engine-modes", "offline", "--engine-passes", "2"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)["engine"]
+    assert report["order"] == "A B"
+    data = report["modes"]["offline"]
+    assert data["same_requests"] and data["first_request_cached_tokens"] == [0, 0]
+    baseline, ours = data["retrieval_order"], data["contextpilot"]
+    assert baseline["requests_per_pass"] == ours["requests_per_pass"] == REQUESTS
+    for arm in (baseline, ours):  # one pass an arm: the simulator replays that pass alone
+        assert arm["simulator_computed_tokens"] is not None and abs(arm["simulator_gap"]) <= 0.05
