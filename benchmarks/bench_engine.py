@@ -48,14 +48,14 @@ ENGINES = ("llama-server", "sglang", "vllm")
 def engine_command(engine: str, args: argparse.Namespace) -> str:
     """The ``--engine-cmd`` for one engine, with the tiny model."""
     if engine == "llama-server":
-        from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+        from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 
         binary = llama_server_binary()
         if binary is None:
             raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
         model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
         return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram)))
-    from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
+    from contextpilot_integrations.testing.live_engines import live_engine_command, require_live_engine
 
     def missing(reason: str) -> None:
         raise SystemExit(reason)

@@ -24,11 +24,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
-from .annotations import DEFAULT_TEMPLATES, Templates
-from .blocks import Block, BlockLike, normalize_blocks
-from .conversations import ConversationStore
-from .errors import DuplicateRequestError
-from .gain import (
+from .core.annotations import DEFAULT_TEMPLATES, Templates
+from .core.blocks import Block, BlockLike, normalize_blocks
+from .core.conversations import ConversationStore
+from .core.gain import (
     FORMS,
     Balance,
     Chance,
@@ -47,13 +46,14 @@ from .gain import (
     labelled_keys,
     plain_keys,
 )
+from .core.prepared import PreparedRequest, Reference, make_reference
+from .core.usage import check_token_count, check_usage
+from .core.validation import check_conversation_id, check_count, check_kept_turns, check_query, check_request_id
+from .errors import DuplicateRequestError
 from .index.prefix_trie import PrefixTrie
 from .index.strategies import PlannedBatch, Strategy, make_strategy
-from .prepared import PreparedRequest, Reference, make_reference
 from .providers.plan import CachePlan
 from .providers.usage import ProviderTotals, ProviderUsage
-from .usage import check_token_count, check_usage
-from .validation import check_conversation_id, check_count, check_kept_turns, check_query, check_request_id
 
 __all__ = ["BatchRequest", "ContextPilot", "PilotStats"]
 

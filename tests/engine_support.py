@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
+from contextpilot_integrations.testing.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
 
 __all__ = ["LlamaServer", "free_port", "serve_quietly", "start_llama_server", "start_llama_servers"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from contextpilot_integrations import Block
-from contextpilot_integrations.conversations import ConversationStore
+from contextpilot_integrations.core.conversations import ConversationStore
 
 
 def blocks(*ids: int) -> list[Block]:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import callers_cache_key, carried_markers, markers_left
+from contextpilot_integrations.providers.cache_key import ConversationKeys
+from contextpilot_integrations.providers.call_plan import callers_cache_key, carried_markers, markers_left
 
 MARK = {"type": "ephemeral"}
 

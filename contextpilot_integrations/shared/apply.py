@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..validation import MAX_BLOCKS
+from ..core.validation import MAX_BLOCKS
 from .entries import Entry
 
 if TYPE_CHECKING:

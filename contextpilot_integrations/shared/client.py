@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core.validation import MAX_BLOCKS
 from ..errors import SharedSettingsError
-from ..validation import MAX_BLOCKS
 from .apply import Applier
 from .entries import Batch, Entry, block_count, decode_batch, encode_batch, encode_entry, seal, unseal
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..core.prepared import PreparedRequest
 from ..pilot import BatchRequest, ContextPilot
-from ..prepared import PreparedRequest
 from ..providers import (
     DEFAULT_PRICES,
     PRICES_AS_OF,

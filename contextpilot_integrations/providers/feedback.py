@@ -16,19 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
-from .engines.feedback import cached_blocks_from_usage
-from .pilot import ContextPilot
-from .prepared import PreparedRequest
-from .providers import ProviderUsage, read_provider_usage
+from ..core.prepared import PreparedRequest
+from ..engines.feedback import cached_blocks_from_usage
+from .usage import ProviderUsage, read_provider_usage
 
 __all__ = ["report_provider_served"]
 
 _log = logging.getLogger(__name__)
 
 
+class UsageRecorder(Protocol):
+    """What a report needs of the pilot (a :class:`~contextpilot_integrations.ContextPilot`):
+    typed here, so that the providers' layer does not import the pilot that imports it."""
+
+    def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None: ...
+
+    def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int: ...
+
+
 def report_provider_served(
-    pilot: ContextPilot | None,
+    pilot: UsageRecorder | None,
     prepared: PreparedRequest,
     raw: object,
     provider: str | None,

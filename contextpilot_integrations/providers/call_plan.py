@@ -20,11 +20,10 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .binding import Binding
-from .errors import CacheKeyWarning
-from .hosted_keys import ConversationKeys, leading_text_key
-from .providers import CachePlan, plan_cache
-from .providers.cache_key import ROUTING_TOKENS
+from ..core.binding import Binding
+from ..errors import CacheKeyWarning
+from .cache_key import ROUTING_TOKENS, ConversationKeys, leading_text_key
+from .plan import CachePlan, plan_cache
 
 __all__ = [
     "MAX_MARKERS",
