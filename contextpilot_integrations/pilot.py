@@ -102,10 +102,10 @@ class PilotStats(BaseModel):
     predicted_kept: float = 1.0
     """The share of the predicted cached tokens the engine reported serving (recent
     reports weigh most; 1.0 before any): predicted reuse counts this much when deciding
-    whether labels and reordering pay (:mod:`.gain`)."""
+    whether labels and reordering pay (:mod:`.core.gain`)."""
     send_balance: float = 0.0
     """Recent reuse the sends bought beyond retrieval order's, less the tokens they added
-    (:class:`~.gain.Balance`): while negative, no send bets on later reuse."""
+    (:class:`~.core.gain.Balance`): while negative, no send bets on later reuse."""
 
     @property
     def engine_hit_ratio(self) -> float:
@@ -175,7 +175,7 @@ class ContextPilot:
             (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
             See :mod:`contextpilot_integrations.shared`.
         cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger
-            than it is not indexed (see :mod:`.gain`).
+            than it is not indexed (see :mod:`.core.gain`).
         plain_prompts: send a request whose reordering does not pay as without ContextPilot
             (``False``: every block labelled, the paper's form).
         order_form: how a reordered request outside a conversation restates the ranking:
@@ -422,7 +422,7 @@ class ContextPilot:
         chance: Chance | None,
         concurrent: bool = False,
     ) -> Choice:
-        """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
+        """The send that pays best for this request (:mod:`.core.gain`). A conversation's blocks
         keep their labels: later turns refer to them by label. ``chance``: that a later
         request carries a block after another (default: what this traffic showed, bet only
         from what earlier sends bought; given for a batch sent in order: partners are sure).
@@ -475,8 +475,8 @@ class ContextPilot:
         relative order (they take the schedule slots of that conversation, in turn order).
 
         ``in_order``: the caller sends them in that order, so a block that another request
-        of the batch carries is sure to be reused (:mod:`.gain`). ``False`` for concurrent
-        callers (:class:`~.batching.MicroBatcher`), whose requests reach the engine in
+        of the batch carries is sure to be reused (:mod:`.core.gain`). ``False`` for concurrent
+        callers (:class:`~.core.batching.MicroBatcher`), whose requests reach the engine in
         whatever order their threads get there: on an engine that keeps only its last
         prompt, a partner reused on paper is then often lost.
 

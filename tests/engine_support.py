@@ -1,4 +1,4 @@
-"""The real prefix-caching engine for the tests (``whatif.llama_server``), or a skip; and
+"""The real prefix-caching engine for the tests (``testing.llama_server``), or a skip; and
 :func:`serve_quietly` for the stand-ins of broken or hostile servers.
 
 Set ``CONTEXTPILOT_REQUIRE_ENGINE=1`` (CI does) to fail instead of skip without a binary.

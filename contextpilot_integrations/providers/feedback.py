@@ -1,15 +1,16 @@
 """A hosted API's answer, back to the pilot: cache reads and writes, and what it still holds.
 
 The adapters' chat models call :func:`report_provider_served` where they would call
-:func:`~.engines.feedback.report_served` for a local engine: the provider's usage
-(:func:`~.providers.read_provider_usage`) goes to the pilot's statistics with its cache
-writes (:meth:`ContextPilot.record_provider_usage`), and, only with ``usage_feedback``,
-cache reads short of the prediction drop from the index what the provider is taken to no
-longer hold. Off by default: a hosted API reads only at the entries its markers wrote (or in
-128-token steps), so a short read is mostly no eviction (taking it as one cost 8-13% in the
-provider what-if, :mod:`.whatif.provider_sim`); forget requests one TTL after sending
-(``pilot.evict``) instead. A report the provider got wrong is logged, never raised: the
-call itself succeeded.
+:func:`~contextpilot_integrations.engines.feedback.report_served` for a local engine: the
+provider's usage (:func:`~.read_provider_usage`) goes to the pilot's statistics with its
+cache writes (:meth:`ContextPilot.record_provider_usage`), and, only with
+``usage_feedback``, cache reads short of the prediction drop from the index what the
+provider is taken to no longer hold. Off by default: a hosted API reads only at the entries
+its markers wrote (or in 128-token steps), so a short read is mostly no eviction (taking it
+as one cost 8-13% in the provider what-if,
+:mod:`contextpilot_integrations.whatif.provider_sim`); forget requests one TTL after
+sending (``pilot.evict``) instead. A report the provider got wrong is logged, never
+raised: the call itself succeeded.
 """
 
 from __future__ import annotations

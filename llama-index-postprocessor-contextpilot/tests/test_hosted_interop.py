@@ -1,7 +1,7 @@
 """What a hosted request carries besides ContextPilot's own cache hints, through LlamaIndex's
 real classes (llama_index.llms.anthropic.Anthropic, llama_index.llms.openai.OpenAI, a stock
 query engine, ContextPilotChatEngine) against local fakes of the hosted APIs
-(contextpilot_integrations.whatif.fake_*: they cannot be reached from here), which record
+(contextpilot_integrations.testing.fake_*: they cannot be reached from here), which record
 every body and refuse a fifth cache_control marker with HTTP 400, as the real API does:
 markers of ``Anthropic(cache_idx=...)`` count before ours, a ``prompt_cache_key`` the caller
 set is sent as set, every turn of a chat goes under one key, and a misspelt or foreign

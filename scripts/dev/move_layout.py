@@ -15,7 +15,8 @@ What it rewrites, in every tracked or new .py .md .ipynb .toml .cfg .sh file of 
 - file paths: ``contextpilot_integrations/whatif/tiny_hf.py`` -> ``contextpilot_integrations/testing/tiny_hf.py``;
 - relative imports inside the package (``from ..blocks import``, ``from .hosted_plans import``), resolved
   against the importing file's place (its old place, for a file this run moves) and written again as the
-  relative path from its new place.
+  relative path from its new place; docstring references (``:mod:`.hosted_keys```) likewise, written
+  absolute where a sibling's ``.name`` no longer reaches.
 
 A target that already exists while its old module is still there (two modules merged into one) is
 not moved: the script stops and says so; merge the two by hand, delete the old file, run it again.
@@ -82,6 +83,7 @@ FROM_PACKAGE = re.compile(
 )
 FILE_PATH = re.compile(rf"\b{PKG}((?:/\w+)+)(\.py)?\b")
 RELATIVE = re.compile(r"^(\s*from\s+)(\.+)([\w.]*)(\s+import\b)", re.MULTILINE)
+DOC_REFERENCE = re.compile(r"(:(?:mod|func|class|meth|data|attr|exc):`~?)(\.+)([A-Za-z_][\w.]*)(`)")
 
 
 def module_file(root: Path, module: str) -> Path:
@@ -155,7 +157,16 @@ def rewrite_relative(text: str, old_module: str, new_module: str, package: bool)
             return match.group(0)
         return match.group(1) + relative(new_module, package, new) + match.group(4)
 
-    return RELATIVE.sub(one, text)
+    def one_reference(match: re.Match[str]) -> str:  # :mod:`.blocks`: a sibling stays relative, else absolute
+        target = resolve(old_module, package, len(match.group(2)), match.group(3))
+        new = moved(target) or target
+        if new == target and old_module == new_module:
+            return match.group(0)
+        again = relative(new_module, package, new)
+        name = again if not again.startswith("..") else new
+        return match.group(1) + name + match.group(4)
+
+    return DOC_REFERENCE.sub(one_reference, RELATIVE.sub(one, text))
 
 
 def repository_files(root: Path) -> list[Path]:

@@ -1,6 +1,6 @@
 """What a hosted request carries besides ContextPilot's own cache hints, through LangChain's
 real classes (ChatAnthropic, ChatOpenAI, create_agent, AnthropicPromptCachingMiddleware)
-against local fakes of the hosted APIs (contextpilot_integrations.whatif.fake_*: they cannot
+against local fakes of the hosted APIs (contextpilot_integrations.testing.fake_*: they cannot
 be reached from here), which record every body and refuse what the real APIs refuse (a fifth
 cache_control marker: HTTP 400, the top-level automatic marker taking a slot):
 

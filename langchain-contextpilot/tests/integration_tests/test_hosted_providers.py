@@ -1,6 +1,6 @@
 """Hosted APIs through LangChain's own chat models (ChatAnthropic, ChatBedrockConverse,
 ChatOpenAI, ChatGoogleGenerativeAI), wrapped by ContextPilotChatModel, against local fakes of
-the hosted APIs (which cannot be reached from here; contextpilot_integrations.whatif.fake_*),
+the hosted APIs (which cannot be reached from here; contextpilot_integrations.testing.fake_*),
 driven over real HTTP by the providers' real SDKs. Every request body is asserted: the
 provider's marker right where the shared prefix ends, at most 4, none below the model's
 minimum, one prompt_cache_key for requests that share their leading documents, and the
