@@ -149,10 +149,24 @@ def rewrite_absolute(text: str) -> str:
     return FILE_PATH.sub(one_path, text)
 
 
-def rewrite_relative(text: str, old_module: str, new_module: str, package: bool) -> str:
+def exists(root: Path, module: str) -> bool:
+    """A module or package in the tree, or one this run moves a module to (``--check`` moves nothing)."""
+    if any(new == module or new.startswith(module + ".") for new in MOVES.values()):
+        return True
+    return module_file(root, module).exists() or (root.joinpath(*module.split(".")) / "__init__.py").exists()
+
+
+def rewrite_relative(root: Path, text: str, old_module: str, new_module: str, package: bool) -> str:
     def one(match: re.Match[str]) -> str:
-        target = resolve(old_module, package, len(match.group(2)), match.group(3))
+        dots, rest = len(match.group(2)), match.group(3)
+        target = resolve(old_module, package, dots, rest)
         new = moved(target) or target
+        if not exists(root, new):  # a line merged in from the file's old place (pilot.py -> pilot/...): one dot short
+            for more in range(1, old_module.count(".")):
+                again = resolve(old_module, package, dots + more, rest)
+                if exists(root, moved(again) or again):
+                    new = moved(again) or again
+                    break
         if new == target and old_module == new_module:
             return match.group(0)
         return match.group(1) + relative(new_module, package, new) + match.group(4)
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         new_text = rewrite_absolute(text)
         if path.suffix == ".py" and path.is_relative_to(root / PKG):
             current = module_of(root, path)
-            new_text = rewrite_relative(new_text, renamed.get(path, current), current, is_package(path))
+            new_text = rewrite_relative(root, new_text, renamed.get(path, current), current, is_package(path))
         if new_text != text:
             changed.append(path)
             print(f"rewrite {path.relative_to(root)}")
