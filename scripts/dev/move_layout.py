@@ -16,7 +16,9 @@ What it rewrites, in every tracked or new .py .md .ipynb .toml .cfg .sh file of 
 - relative imports inside the package (``from ..blocks import``, ``from .hosted_plans import``), resolved
   against the importing file's place (its old place, for a file this run moves) and written again as the
   relative path from its new place; docstring references (``:mod:`.hosted_keys```) likewise, written
-  absolute where a sibling's ``.name`` no longer reaches.
+  absolute where a sibling's ``.name`` no longer reaches. A relative import that names nothing in
+  the tree (a line a merge carried from ``pilot.py`` into ``pilot/facade.py``: ``from .core.blocks``)
+  is looked up one package higher and written again from the file's place.
 
 A target that already exists while its old module is still there (two modules merged into one) is
 not moved: the script stops and says so; merge the two by hand, delete the old file, run it again.
