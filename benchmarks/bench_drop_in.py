@@ -59,11 +59,11 @@ from rank_bm25 import BM25Okapi
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import Router, Target
+from contextpilot_integrations.testing.llama_server import tiny_llama_server
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from contextpilot_integrations.whatif.llama_server import tiny_llama_server
 
 try:
-    from contextpilot_integrations.binding import dangling_references
+    from contextpilot_integrations.core.binding import dangling_references
 except ImportError:  # the tree before issue 19: the same check, with the default templates
 
     def dangling_references(texts: Sequence[str]) -> list[str]:

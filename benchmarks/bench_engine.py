@@ -49,7 +49,7 @@ ENGINES = ("llama-server", "sglang", "vllm")
 def engine_command(engine: str, args: argparse.Namespace) -> str:
     """The ``--engine-cmd`` for one engine, with the tiny model."""
     if engine == "llama-server":
-        from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+        from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 
         binary = llama_server_binary()
         if binary is None:
@@ -58,7 +58,7 @@ def engine_command(engine: str, args: argparse.Namespace) -> str:
         # one thread (-t, last one wins): on the shared 2-core machine two threads spin-wait for
         # each other at every op; the prefix cache is the same either way
         return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram), "-t", "1"))
-    from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
+    from contextpilot_integrations.testing.live_engines import live_engine_command, require_live_engine
 
     def missing(reason: str) -> None:
         raise SystemExit(reason)

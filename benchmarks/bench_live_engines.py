@@ -18,7 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from contextpilot_integrations.whatif.live_engines import PATHS, EventPath, agreement, require_live_engine, run_scenario
+from contextpilot_integrations.testing.live_engines import (
+    PATHS,
+    EventPath,
+    agreement,
+    require_live_engine,
+    run_scenario,
+)
 
 SCENARIOS = ("normal", "app-restarted", "batches-dropped")
 

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from contextpilot_integrations import ContextPilot, MicroBatcher
-from contextpilot_integrations.whatif.llama_server import tiny_llama_server
+from contextpilot_integrations.testing.llama_server import tiny_llama_server
 from contextpilot_integrations.whatif.replay import PromptShape, replay
 from contextpilot_integrations.whatif.trace import TraceRequest, multihop_chats, multihop_trace, working_set_tokens
 
@@ -111,7 +111,7 @@ def label_costs(url: str | None) -> list[dict[str, Any]]:
     """Characters (and tokens of llama-server's tokenizer, where a server is given) of the labels
     of four blocks, the LlamaIndex label lines, and the order annotation, before and after."""
     from contextpilot_integrations import Block
-    from contextpilot_integrations.annotations import render_order
+    from contextpilot_integrations.core.annotations import render_order
 
     def tokens(text: str) -> int | None:
         if url is None:

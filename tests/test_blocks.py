@@ -9,7 +9,7 @@ from contextpilot_integrations import (
     InvalidBlockError,
     content_id,
 )
-from contextpilot_integrations.blocks import normalize_blocks
+from contextpilot_integrations.core.blocks import normalize_blocks
 
 
 def test_id_defaults_to_content_hash_and_is_stable() -> None:

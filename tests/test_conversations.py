@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.conversations import ConversationStore, Repeats
+from contextpilot_integrations.core.conversations import ConversationStore, Repeats
 
 
 def blocks(*ids: int) -> list[Block]:

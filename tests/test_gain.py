@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, MicroBatcher
-from contextpilot_integrations.gain import Balance, Cooccurrence, Retention, choose_order, label_tokens
+from contextpilot_integrations.core.gain import Balance, Cooccurrence, Retention, choose_order, label_tokens
 from contextpilot_integrations.pilot import BatchRequest
 
 

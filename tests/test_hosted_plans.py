@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.binding import Binding
-from contextpilot_integrations.hosted_keys import ConversationKeys
-from contextpilot_integrations.hosted_plans import (
+from contextpilot_integrations.core.binding import Binding
+from contextpilot_integrations.providers.cache_key import ConversationKeys
+from contextpilot_integrations.providers.call_plan import (
     MarkedCall,
     callers_cache_key,
     carried_markers,

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, BlockTypeError, ContextPilot, DuplicateBlockError, InvalidBlockError
-from contextpilot_integrations.blocks import normalize_blocks
+from contextpilot_integrations.core.blocks import normalize_blocks
 from contextpilot_integrations.index.prefix_trie import PrefixTrie
 from contextpilot_integrations.index.strategies import make_strategy
 

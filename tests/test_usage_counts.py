@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, InvalidBlockError
+from contextpilot_integrations.core.usage import MAX_TOKENS
 from contextpilot_integrations.engines import EngineError, OpenAICompatClient
 from contextpilot_integrations.engines.feedback import report_served
-from contextpilot_integrations.usage import MAX_TOKENS
 from contextpilot_integrations.whatif.cli import main
 
 BAD_USAGE = [

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 
-from ..annotations import render_block
+from ..core.annotations import render_block
+from ..core.prepared import PreparedRequest
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
-from ..prepared import PreparedRequest
 from . import wire
 from .deadline import deadline, deadline_transport, time_left
 from .feedback import estimate_prompt_tokens, report_failed, report_served

@@ -20,10 +20,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..binding import Binding
+from ..core.binding import Binding
+from ..core.prepared import PreparedRequest
+from ..core.usage import check_usage
 from ..pilot import ContextPilot
-from ..prepared import PreparedRequest
-from ..usage import check_usage
 from .kv_mapping import blocks_held
 
 __all__ = [
@@ -57,7 +57,7 @@ class EventTracker(Protocol):
 
 def estimate_prompt_tokens(text: str) -> int:
     """Characters to tokens, the estimate blocks use without a given count."""
-    from ..blocks import CHARS_PER_TOKEN
+    from ..core.blocks import CHARS_PER_TOKEN
 
     return len(text) // CHARS_PER_TOKEN
 

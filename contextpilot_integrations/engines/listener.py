@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..core.validation import MAX_BLOCKS
 from ..pilot import ContextPilot
-from ..validation import MAX_BLOCKS
 from .kv_mapping import EngineBlockMap
 from .sink import KvEventSink
 from .wire import KvEventBatch
@@ -369,7 +369,7 @@ class EvictionListener:
             bearer token); must not be empty.
         max_body_bytes: larger requests are refused with 413.
         max_batch_blocks: event batches naming more blocks are refused with 413
-            (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, as everywhere).
+            (:data:`~contextpilot_integrations.core.validation.MAX_BLOCKS`, as everywhere).
         max_connections: open connections at most; at the bound the longest-idle one is
             closed for a new client, and new clients get 503 when none is idle.
         idle_timeout: seconds a connection may wait for a request, or between its bytes.

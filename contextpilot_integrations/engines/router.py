@@ -49,13 +49,13 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
-from ..blocks import Block, BlockLike, normalize_blocks
-from ..conversations import ConversationStore
+from ..core.blocks import Block, BlockLike, normalize_blocks
+from ..core.conversations import ConversationStore
+from ..core.prepared import PreparedRequest
+from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from ..errors import DuplicateRequestError, EngineError, EngineTimeout, EngineUnavailable
 from ..pilot import BatchItem, BatchRequest, ContextPilot, batch_request, join
 from ..pilot.ports import Broadcast
-from ..prepared import PreparedRequest
-from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from . import wire
 from .client import ChatResult, OpenAICompatClient
 from .deadline import deadline

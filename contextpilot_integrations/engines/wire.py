@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..core.usage import check_token_count
+from ..core.validation import MAX_BLOCKS
 from ..errors import EngineError
-from ..usage import check_token_count
-from ..validation import MAX_BLOCKS
 
 __all__ = [
     "REQUEST_ID_FIELDS",

@@ -59,7 +59,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..validation import MAX_BLOCKS
+from ..core.validation import MAX_BLOCKS
 from .sink import KvEventSink
 from .wire import END_OF_REPLAY, MAX_BATCH_BYTES, decode_zmq_batch
 
@@ -120,7 +120,7 @@ class ZmqEventSubscriber:
             for anything after the last batch: a lost last batch is noticed without waiting
             for the next one.
         max_batch_blocks: a batch naming more blocks
-            (:data:`~contextpilot_integrations.validation.MAX_BLOCKS`, the HTTP listener's
+            (:data:`~contextpilot_integrations.core.validation.MAX_BLOCKS`, the HTTP listener's
             bound too) is refused before it is validated or reaches the sink: its events
             are lost, so the index is reset.
         max_batch_bytes: likewise, a batch larger than this.

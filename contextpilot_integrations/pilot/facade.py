@@ -16,15 +16,15 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..annotations import DEFAULT_TEMPLATES, Templates
-from ..blocks import BlockLike, normalize_blocks
-from ..conversations import ConversationStore
-from ..gain import FORMS, Form, TokenCounter, estimate_tokens
-from ..prepared import PreparedRequest
+from ..core.annotations import DEFAULT_TEMPLATES, Templates
+from ..core.blocks import BlockLike, normalize_blocks
+from ..core.conversations import ConversationStore
+from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
+from ..core.prepared import PreparedRequest
+from ..core.usage import check_token_count, check_usage
+from ..core.validation import check_count
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderUsage
-from ..usage import check_token_count, check_usage
-from ..validation import check_count
 from .planner import BatchItem, Planner
 from .reports import Reports
 from .state import EngineState, checked_ids, checked_order
@@ -63,7 +63,7 @@ class ContextPilot:
             so a block is the same text whether its request is reordered or not), ``"moved"`` (only
             the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
             restated by label). A conversation labels its blocks only where later turns are expected
-            to refer to them for more than the labels cost (:mod:`..conversations`).
+            to refer to them for more than the labels cost (:mod:`contextpilot_integrations.core.conversations`).
         token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
             annotation are weighed in the blocks' units; default: four characters a token, rounded up.
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").

@@ -1,7 +1,7 @@
 """Deciding what to send: prepare one request, plan a batch, and the send that pays best.
 
 The :class:`Planner` orders a request's blocks for the strategy, weighs the send
-(:mod:`..gain`: labels, reordering, the annotation against the reuse they buy) and records
+(:mod:`contextpilot_integrations.core.gain`: labels, reordering, the annotation against the reuse they buy) and records
 the result in the :class:`~.state.EngineState`. :meth:`Planner.prepare_locked` runs under
 the pilot's lock (a few dictionary look-ups per block); :meth:`Planner.plan` plans a whole
 batch off the lock and takes it only to reserve the ids and to enter the requests in steps.
@@ -18,11 +18,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..annotations import Templates
-from ..blocks import Block, BlockLike, normalize_blocks
-from ..conversations import ConversationStore, decide_turn, labels_pay
-from ..errors import DuplicateRequestError
-from ..gain import (
+from ..core.annotations import Templates
+from ..core.blocks import Block, BlockLike, normalize_blocks
+from ..core.conversations import ConversationStore, decide_turn, labels_pay
+from ..core.gain import (
     Balance,
     Chance,
     Choice,
@@ -37,8 +36,9 @@ from ..gain import (
     labelled_keys,
     plain_keys,
 )
-from ..prepared import PreparedRequest, Reference, make_reference
-from ..validation import check_conversation_id, check_kept_turns, check_query, check_request_id
+from ..core.prepared import PreparedRequest, Reference, make_reference
+from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
+from ..errors import DuplicateRequestError
 from .state import EngineState
 
 __all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
@@ -197,7 +197,7 @@ class Planner:
     def plain_ok(self, conversation_id: str | None, blocks: list[Block]) -> bool:
         """Whether a request (a conversation's first turn) may go out without labels: always
         outside a conversation, and in one unless later turns are expected to refer to its
-        blocks for more than the labels cost (:func:`..conversations.labels_pay`)."""
+        blocks for more than the labels cost (:func:`contextpilot_integrations.core.conversations.labels_pay`)."""
         if not self.plain_prompts or conversation_id is None:
             return self.plain_prompts
         rate = self.conversations.repeats.rate

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Collection
 from typing import Any
 
-from ..conversations import ConversationStore
-from ..gain import index_keys, key_blocks
-from ..prepared import PreparedRequest
+from ..core.conversations import ConversationStore
+from ..core.gain import index_keys, key_blocks
+from ..core.prepared import PreparedRequest
 from ..providers.usage import ProviderTotals, ProviderUsage
 from .planner import Outlook
 from .state import EngineState

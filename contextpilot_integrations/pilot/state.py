@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..blocks import Block
+from ..core.blocks import Block
+from ..core.gain import index_keys, key_block, labelled_keys, plain_keys
+from ..core.prepared import PreparedRequest
+from ..core.validation import check_request_id
 from ..errors import DuplicateRequestError
-from ..gain import index_keys, key_block, labelled_keys, plain_keys
 from ..index.prefix_trie import PrefixTrie
 from ..index.strategies import PlannedBatch, Strategy, make_strategy
-from ..prepared import PreparedRequest
-from ..validation import check_request_id
 from .stats import Counters
 
 __all__ = ["EngineState", "checked_ids", "checked_order"]

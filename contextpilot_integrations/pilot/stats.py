@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..prepared import Reference
+from ..core.prepared import Reference
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderTotals
 

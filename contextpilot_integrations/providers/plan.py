@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
-from ..prepared import PreparedRequest
-from ..validation import check_count
+from ..core.prepared import PreparedRequest
+from ..core.validation import check_count
 from .cache_key import prompt_cache_key
 from .names import ProviderName, check_provider
 from .rules import CacheRules, cache_rules

@@ -57,29 +57,29 @@ def _claude(input_price: float) -> ModelPrice:
     return ModelPrice(input_price, input_price * 0.1, input_price * 1.25, input_price * 2)
 
 
+_CLAUDE: dict[str, ModelPrice] = {
+    "claude-opus-4-1": _claude(15.0),
+    "claude-opus-4": _claude(15.0),
+    "claude-opus-4-5": _claude(5.0),
+    "claude-opus-4-6": _claude(5.0),
+    "claude-opus-4-7": _claude(5.0),
+    "claude-opus-4-8": _claude(5.0),
+    "claude-opus-5": _claude(5.0),
+    "claude-sonnet-4": _claude(3.0),
+    "claude-sonnet-4-5": _claude(3.0),
+    "claude-sonnet-4-6": _claude(3.0),
+    "claude-3-7-sonnet": _claude(3.0),
+    "claude-haiku-4-5": _claude(1.0),
+    "claude-3-5-haiku": _claude(0.8),
+}
+"""Anthropic's list prices, which Bedrock charges for the Claude models it lists."""
+_BEDROCK_CLAUDE = ("claude-opus-4-5", "claude-opus-4-6", "claude-sonnet-4", "claude-sonnet-4-5", "claude-sonnet-4-6",
+                   "claude-haiku-4-5")  # fmt: skip
+
 _DEFAULTS: dict[ProviderName, dict[str, ModelPrice]] = {
-    "anthropic": {
-        "claude-opus-4-1": _claude(15.0),
-        "claude-opus-4": _claude(15.0),
-        "claude-opus-4-5": _claude(5.0),
-        "claude-opus-4-6": _claude(5.0),
-        "claude-opus-4-7": _claude(5.0),
-        "claude-opus-4-8": _claude(5.0),
-        "claude-opus-5": _claude(5.0),
-        "claude-sonnet-4": _claude(3.0),
-        "claude-sonnet-4-5": _claude(3.0),
-        "claude-sonnet-4-6": _claude(3.0),
-        "claude-3-7-sonnet": _claude(3.0),
-        "claude-haiku-4-5": _claude(1.0),
-        "claude-3-5-haiku": _claude(0.8),
-    },
+    "anthropic": _CLAUDE,
     "bedrock": {
-        "claude-opus-4-5": _claude(5.0),
-        "claude-opus-4-6": _claude(5.0),
-        "claude-sonnet-4": _claude(3.0),
-        "claude-sonnet-4-5": _claude(3.0),
-        "claude-sonnet-4-6": _claude(3.0),
-        "claude-haiku-4-5": _claude(1.0),
+        **{model: _CLAUDE[model] for model in _BEDROCK_CLAUDE},
         "nova-pro": ModelPrice(0.80, 0.20, 0.80),
         "nova-lite": ModelPrice(0.06, 0.015, 0.06),
         "nova-micro": ModelPrice(0.035, 0.00875, 0.035),

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..usage import check_token_count
+from ..core.usage import check_token_count
 from .names import ProviderName, check_provider
 
 __all__ = ["ProviderTotals", "ProviderUsage", "read_provider_usage"]

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..validation import MAX_BLOCKS
+from ..core.validation import MAX_BLOCKS
 from .entries import Entry
 from .replica import LockOf, Replica
 

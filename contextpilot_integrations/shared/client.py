@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.validation import MAX_BLOCKS
 from ..errors import SharedSettingsError
-from ..validation import MAX_BLOCKS
 from .apply import Applier
 from .entries import Batch, Entry, block_count, decode_batch, encode_batch, encode_entry, seal, unseal
 from .replica import LockOf, Replica

@@ -17,7 +17,7 @@ Every message (and every snapshot) starts with an HMAC-SHA256 of its body under 
 deployment's secret, bound to where it belongs (the subject, or the snapshot's name): a
 client of the broker without the secret can store messages, but no worker applies them.
 A message is checked whole before any of it is applied: one that is not signed, does not
-decode, names more than :data:`~contextpilot_integrations.validation.MAX_BLOCKS` blocks, or
+decode, names more than :data:`~contextpilot_integrations.core.validation.MAX_BLOCKS` blocks, or
 holds one malformed entry is skipped whole, so one bad publisher never stops the others.
 """
 
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..validation import MAX_BLOCKS
+from ..core.validation import MAX_BLOCKS
 
 __all__ = ["Batch", "Entry", "block_count", "decode_batch", "encode_batch", "seal", "unseal"]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..core.usage import MAX_TOKENS
 from ..engines.router import Router
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
-from ..usage import MAX_TOKENS
 from .engine_compare import EngineComparison, EngineComparisonError
 from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts

@@ -13,7 +13,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from ..blocks import Block
+from ..core.blocks import Block
 
 __all__ = ["MultiHopRAG", "RetrievalQuery", "load_multihop_rag"]
 

@@ -35,16 +35,16 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from ..annotations import DEFAULT_TEMPLATES
-from ..blocks import Block
+from ..core.annotations import DEFAULT_TEMPLATES
+from ..core.blocks import Block
+from ..core.prepared import PreparedRequest
+from ..core.usage import check_usage
 from ..engines.client import OpenAICompatClient
 from ..errors import ContextPilotError, EngineError
 from ..pilot import BatchRequest, ContextPilot
-from ..prepared import PreparedRequest
-from ..usage import check_usage
 from .engine_predict import CacheShape, EngineTokenizer, cache_shape, predict_cached
-from .llama_server import ServerProcess
 from .replay import SYSTEM_PROMPT, arrival_order
+from .server_process import ServerProcess
 from .trace import TraceRequest, turns_in_order
 
 __all__ = [

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..core.prepared import PreparedRequest
 from ..pilot import BatchRequest, ContextPilot
-from ..prepared import PreparedRequest
 from ..providers import (
     DEFAULT_PRICES,
     PRICES_AS_OF,
@@ -317,8 +317,13 @@ def provider_runs(
     rate: float = DEFAULT_RATE,
     prices: PriceTable | None = None,
     ttl: Ttl = "5m",
+    published: bool = False,
 ) -> list[ProviderRun]:
     """Every mode without ContextPilot (each baseline that applies), then with it.
+
+    With ``published``, on a provider whose markers the user places, also ContextPilot's
+    order with only the system prompt marked (what the published proxy marks), before the
+    planned markers.
 
     Raises:
         KeyError, ValueError: no price for the model (or for its 1-hour writes), before
@@ -329,10 +334,14 @@ def provider_runs(
     baselines: tuple[Marking, ...] = ("system", "auto") if rules.explicit else ("none",)
     if rules.implicit_breakpoint:
         baselines = ("none",)
+    passes: list[tuple[bool, Marking]] = [(False, marking) for marking in baselines]
+    if published and baselines != ("none",):
+        passes.append((True, "system"))
+    passes.append((True, "plan"))
     runs = []
     for mode in modes:
         trace = chat if mode == "chat" else single
-        for contextpilot, marking in [*((False, b) for b in baselines), (True, "plan")]:
+        for contextpilot, marking in passes:
             run = simulate_provider(
                 trace,
                 provider,

@@ -29,11 +29,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
-from ..annotations import DEFAULT_TEMPLATES, render_order
-from ..blocks import Block
-from ..gain import label_tokens
+from ..core.annotations import DEFAULT_TEMPLATES, render_order
+from ..core.blocks import Block
+from ..core.gain import label_tokens
+from ..core.prepared import PreparedRequest
 from ..pilot import BatchRequest, ContextPilot
-from ..prepared import PreparedRequest
 from .simulate import BlockSpec, RadixCacheSimulator, SimulatedRequest
 from .trace import TraceRequest, estimate_tokens, turns_in_order
 

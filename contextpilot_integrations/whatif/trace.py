@@ -4,9 +4,9 @@
 "history_turns"?, "session"?, "time"?}``:
 
 - ``blocks``: block ids in retrieval order (strings; integers are accepted and stringified),
-  at most :data:`~contextpilot_integrations.validation.MAX_BLOCKS` (262,144) a line;
+  at most :data:`~contextpilot_integrations.core.validation.MAX_BLOCKS` (262,144) a line;
 - ``tokens``: each block's token count (whole numbers > 0, together at most
-  :data:`~contextpilot_integrations.usage.MAX_TOKENS`, 2**31 - 1). Without it, counts are estimated from ``texts``
+  :data:`~contextpilot_integrations.core.usage.MAX_TOKENS`, 2**31 - 1). Without it, counts are estimated from ``texts``
   (about four characters a token, the estimate :class:`~contextpilot_integrations.Block`
   uses), and without texts each block counts as one token;
 - ``texts``: each block's text (needed to send the trace to a real engine);
@@ -29,10 +29,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..blocks import CHARS_PER_TOKEN
+from ..core.blocks import CHARS_PER_TOKEN
+from ..core.usage import MAX_TOKENS
+from ..core.validation import MAX_BLOCKS
 from ..errors import ContextPilotError
-from ..usage import MAX_TOKENS
-from ..validation import MAX_BLOCKS
 
 __all__ = [
     "MAX_LINE_BYTES",

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..gain import index_keys
+from ..core.gain import index_keys
 from ..pilot import ContextPilot
 from .replay import (
     Arrival,

@@ -16,7 +16,7 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import ensure_config
 
-from contextpilot_integrations.binding import Binding, checked_for_sending
+from contextpilot_integrations.core.binding import Binding, checked_for_sending
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served

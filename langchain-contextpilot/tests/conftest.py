@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server, tiny_llama_servers
+from contextpilot_integrations.testing.llama_server import LlamaServer, tiny_llama_server, tiny_llama_servers
 
 
 @pytest.fixture(scope="session")

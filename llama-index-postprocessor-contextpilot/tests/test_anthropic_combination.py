@@ -20,9 +20,9 @@ from llama_index.llms.anthropic import Anthropic
 from packaging.requirements import Requirement
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import invariant_breaches, message_texts
+from contextpilot_integrations.core.binding import invariant_breaches, message_texts
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
 from llama_index.postprocessor.contextpilot import ContextPilotLLM, ContextPilotPostprocessor
 
 if sys.version_info >= (3, 11):

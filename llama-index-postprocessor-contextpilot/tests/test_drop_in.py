@@ -21,9 +21,9 @@ from llama_index.core.chat_engine import ContextChatEngine
 from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references, invariant_breaches, message_texts
+from contextpilot_integrations.core.binding import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer, tiny_llama_server
+from contextpilot_integrations.testing.llama_server import LlamaServer, tiny_llama_server
 from llama_index.postprocessor.contextpilot import (
     ContextPilotBindingWarning,
     ContextPilotChatEngine,
@@ -234,7 +234,7 @@ def test_memory_fits_the_model_context_window(index: VectorStoreIndex, tmp_path:
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_dying_mid_answer_raises_the_cores_error(stream: bool, index: VectorStoreIndex) -> None:
     from contextpilot_integrations.errors import EngineUnavailable
-    from contextpilot_integrations.whatif.fake_providers import broken_stream_server
+    from contextpilot_integrations.testing.fake_providers import broken_stream_server
 
     with broken_stream_server() as url:
         pilot = ContextPilot()

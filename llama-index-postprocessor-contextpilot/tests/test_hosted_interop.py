@@ -1,7 +1,7 @@
 """What a hosted request carries besides ContextPilot's own cache hints, through LlamaIndex's
 real classes (llama_index.llms.anthropic.Anthropic, llama_index.llms.openai.OpenAI, a stock
 query engine, ContextPilotChatEngine) against local fakes of the hosted APIs
-(contextpilot_integrations.whatif.fake_*: they cannot be reached from here), which record
+(contextpilot_integrations.testing.fake_*: they cannot be reached from here), which record
 every body and refuse a fifth cache_control marker with HTTP 400, as the real API does:
 markers of ``Anthropic(cache_idx=...)`` count before ours, a ``prompt_cache_key`` the caller
 set is sent as set, every turn of a chat goes under one key, and a misspelt or foreign
@@ -16,10 +16,10 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import invariant_breaches
+from contextpilot_integrations.core.binding import invariant_breaches
 from contextpilot_integrations.errors import CacheKeyWarning
-from contextpilot_integrations.whatif.fake_openai import fake_openai
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotLLM
 from tests.test_hosted_providers import QUERIES, RELATED, WordRetriever, engine
 

@@ -1,7 +1,7 @@
 """Hosted APIs through LlamaIndex's own LLM classes (llama_index.llms.anthropic.Anthropic,
 llama_index.llms.openai.OpenAI), wrapped by ContextPilotLLM in a stock query engine, against
 local fakes of the hosted APIs (which cannot be reached from here;
-contextpilot_integrations.whatif.fake_*) over real HTTP. The request bodies carry the
+contextpilot_integrations.testing.fake_*) over real HTTP. The request bodies carry the
 provider's marker (Anthropic: LlamaIndex's CachePoint, sent as cache_control) right where
 the shared prefix ends, at most 4; OpenAI gets one prompt_cache_key for requests sharing
 their leading documents; cache reads and writes come back to the pilot."""
@@ -18,10 +18,10 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references
+from contextpilot_integrations.core.binding import dangling_references
+from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
-from contextpilot_integrations.whatif.fake_openai import fake_openai
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
 from llama_index.postprocessor.contextpilot import ContextPilotLLM, ContextPilotPostprocessor
 from llama_index.postprocessor.contextpilot.cache_points import provider_of
 

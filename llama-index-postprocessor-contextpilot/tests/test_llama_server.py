@@ -9,7 +9,7 @@ import pytest
 from llama_index.core import VectorStoreIndex
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.whatif.llama_server import LlamaServer
+from contextpilot_integrations.testing.llama_server import LlamaServer
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, SGLangLLM
 from tests.support import QUESTION
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from llama_index.core import VectorStoreIndex
 
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port
+from contextpilot_integrations.testing.llama_server import LlamaServer, free_port
 from llama_index.postprocessor.contextpilot import ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION
 

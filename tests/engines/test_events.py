@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.gain import LABELLED, index_keys, key_block
 from contextpilot_integrations.engines import EvictionListener
-from contextpilot_integrations.gain import LABELLED, index_keys, key_block
 from tests.sglang_support import block_workload, build_cache, import_sglang, match_tokens, serve_tokens
 
 DEBUG = False

@@ -140,8 +140,8 @@ def test_async_http_error(failing_server: str) -> None:
 
 def test_demo_compares_on_fresh_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every pass on a fresh llama-server (it has no /flush_cache), A B B A, per mode."""
+    from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
     from contextpilot_integrations.whatif.cli import main
-    from contextpilot_integrations.whatif.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
 
     binary = llama_server_binary()
     if binary is None:

@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
+from contextpilot_integrations.core.prepared import PreparedRequest
 from contextpilot_integrations.engines.feedback import report_served
 from contextpilot_integrations.engines.kv_mapping import EngineBlockMap, blocks_held
 from contextpilot_integrations.engines.sink import KvEventSink
-from contextpilot_integrations.prepared import PreparedRequest
 
 
 def test_a_block_whose_last_page_is_shared_counts_when_its_whole_pages_are_stored() -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from contextpilot_integrations import Block, ContextPilot, MicroBatcher
 from contextpilot_integrations.engines import CacheAwarePolicy, EngineUnavailable, Router, RoutingClient, Target
+from contextpilot_integrations.testing.llama_server import free_port
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
-from contextpilot_integrations.whatif.llama_server import free_port
 from contextpilot_integrations.whatif.replay import replay_routed
 from tests.engine_support import LlamaServer, start_llama_server, start_llama_servers
 

@@ -22,7 +22,7 @@ import zmq
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.engines import EngineBlockMap, KvEventSink
 from contextpilot_integrations.engines.zmq_subscriber import ZmqEventSubscriber
-from contextpilot_integrations.whatif.llama_server import free_port
+from contextpilot_integrations.testing.llama_server import free_port
 from tests.sglang_support import block_workload, build_cache, import_sglang, layout, match_tokens, serve_tokens
 
 
@@ -603,8 +603,8 @@ def test_a_batch_over_max_blocks_is_refused_before_the_sink_lock(ports: tuple[in
     assert seen.malformed == 1 and seen.batches == 2  # refused; the stream goes on
     assert sink.stats().engine_blocks == 0 and pilot.stats().live_requests == 0  # lost events: reset
     assert max(waits) < 0.25, f"the sink's lock was held {max(waits):.2f} s"
+    from contextpilot_integrations.core.validation import MAX_BLOCKS
     from contextpilot_integrations.engines.wire import decode_zmq_batch
-    from contextpilot_integrations.validation import MAX_BLOCKS
 
     at_bound = [{"type": "BlockRemoved", "block_hashes": list(range(1, MAX_BLOCKS + 1))}]
     assert decode_zmq_batch(batch(at_bound), 0, "p").batch.block_count == MAX_BLOCKS  # the bound itself is fine

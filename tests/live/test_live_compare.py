@@ -16,9 +16,9 @@ import json
 
 import pytest
 
+from contextpilot_integrations.testing.live_engines import live_engine_command, require_live_engine
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.engine_compare import FLUSH_PATHS
-from contextpilot_integrations.whatif.live_engines import live_engine_command, require_live_engine
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,7 +15,7 @@ import pytest
 
 from contextpilot_integrations import Block
 from contextpilot_integrations.engines.client import OpenAICompatClient
-from contextpilot_integrations.whatif.live_engines import (
+from contextpilot_integrations.testing.live_engines import (
     MODEL_NAME,
     PATHS,
     SYSTEM_PROMPT,

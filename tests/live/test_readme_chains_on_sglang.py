@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.whatif.live_engines import LiveEngine, require_live_engine, start_sglang
+from contextpilot_integrations.testing.live_engines import LiveEngine, require_live_engine, start_sglang
 
 pytestmark = pytest.mark.timeout(600)
 

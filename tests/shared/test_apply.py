@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.validation import MAX_BLOCKS
 from contextpilot_integrations.shared.apply import Applier
 from contextpilot_integrations.shared.entries import Batch, decode_batch, encode_batch, seal, unseal
-from contextpilot_integrations.validation import MAX_BLOCKS
 
 IDS = [f"r{n}" for n in range(6)]
 BLOCKS = [f"b{n}" for n in range(8)]

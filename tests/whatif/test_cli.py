@@ -252,7 +252,7 @@ def test_a_request_over_max_blocks_is_refused_naming_its_line(
     assert time.perf_counter() - start < 5.0
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "t.jsonl:2: blocks: 300,000 blocks, more than 262,144" in err
-    from contextpilot_integrations.validation import MAX_BLOCKS
+    from contextpilot_integrations.core.validation import MAX_BLOCKS
     from contextpilot_integrations.whatif.trace import load_trace
 
     trace.write_text(json.dumps({"id": "b", "blocks": list(range(MAX_BLOCKS))}) + "\n")

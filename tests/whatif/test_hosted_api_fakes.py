@@ -11,10 +11,10 @@ import pytest
 from google import genai
 from google.genai import types as genai_types
 
-from contextpilot_integrations.whatif.fake_bedrock import fake_bedrock
-from contextpilot_integrations.whatif.fake_gemini import fake_gemini
-from contextpilot_integrations.whatif.fake_openai import fake_openai
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.fake_bedrock import fake_bedrock
+from contextpilot_integrations.testing.fake_gemini import fake_gemini
+from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 
 LONG = "the shared document text. " * 300  # about 1,950 tokens at four characters each
 SHORT = "a short document. " * 40  # about 180 tokens

@@ -161,3 +161,19 @@ def test_simulate_provider_cli_reports_what_it_cannot_price(tmp_path: Path, caps
     assert "no price for openai model 'my-fine-tune'" in capsys.readouterr().err
     assert main([*base, "bedrock", "--model", "amazon.nova-pro-v1:0", "--cache-ttl", "1h"]) == 2
     assert "no 1-hour cache write price" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("provider", "published_pass"), [("anthropic", True), ("bedrock", True), ("gemini", False)])
+def test_provider_runs_adds_the_published_proxys_marking_where_the_user_places_markers(
+    provider: str, published_pass: bool
+) -> None:
+    trace = _trace()
+    plain = provider_runs(trace, trace, provider, None, ["offline"])  # type: ignore[arg-type]
+    runs = provider_runs(trace, trace, provider, None, ["offline"], published=True)  # type: ignore[arg-type]
+    extra = [run for run in runs if run not in plain]
+    if not published_pass:  # automatic caching: there is no marker to place
+        assert runs == plain
+        return
+    published = simulate_provider(trace, provider, mode="offline", contextpilot=True, markers="system")  # type: ignore[arg-type]
+    assert extra == [published]
+    assert [run.label for run in runs] == [*(run.label for run in plain[:-1]), published.label, plain[-1].label]

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from contextpilot_integrations.whatif import llama_server
-from contextpilot_integrations.whatif.llama_server import ServerProcess
+from contextpilot_integrations.whatif import server_process
+from contextpilot_integrations.whatif.server_process import ServerProcess
 
 # a "server" that never answers /health and starts a worker of its own, as SGLang and vLLM do
 NEVER_HEALTHY = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
@@ -37,7 +37,7 @@ def wait_gone(pgid: int, limit: float = 10.0) -> bool:
 
 def test_an_interrupted_start_stops_the_engine_and_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[int] = []
-    original = llama_server.subprocess.Popen
+    original = server_process.subprocess.Popen
 
     def popen(*args: object, **kwargs: object) -> object:
         process = original(*args, **kwargs)  # type: ignore[call-overload]
@@ -48,8 +48,8 @@ def test_an_interrupted_start_stops_the_engine_and_its_workers(monkeypatch: pyte
         threading.Event().wait(0.5)  # the worker is up by now
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llama_server.subprocess, "Popen", popen)
-    monkeypatch.setattr(llama_server.httpx, "get", interrupted)
+    monkeypatch.setattr(server_process.subprocess, "Popen", popen)
+    monkeypatch.setattr(server_process.httpx, "get", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ServerProcess(NEVER_HEALTHY, startup_timeout=30)
     monkeypatch.undo()

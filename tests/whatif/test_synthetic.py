@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.gain import label_tokens
+from contextpilot_integrations.core.gain import label_tokens
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
@@ -187,7 +187,7 @@ def test_chat_never_loses_on_a_named_family(name: str, fraction: float) -> None:
 
 
 def test_conversations_that_never_come_back_cost_at_most_the_first_turns_labels() -> None:
-    """The residual of the prior (:class:`~contextpilot_integrations.conversations.Repeats`):
+    """The residual of the prior (:class:`~contextpilot_integrations.core.conversations.Repeats`):
     a fresh pilot labels the first turns for the references multi-turn conversations bring;
     where none come (two-turn conversations sharing nothing, a 1% cache that keeps nothing),
     that costs at most the labels of the first 16 turns, sent and resent as history."""

@@ -25,9 +25,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references, invariant_breaches, message_texts
+from contextpilot_integrations.core.binding import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer
+from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import (
     ChatSGLang,
     ContextPilotBindingWarning,
@@ -356,7 +356,7 @@ def test_wrapped_chat_anthropic_reports_cache_reads() -> None:
     reached here): the fake caches up to the prompt's cache_control breakpoint."""
     from langchain_anthropic import ChatAnthropic
 
-    from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+    from contextpilot_integrations.testing.fake_providers import fake_anthropic
 
     prompt = ChatPromptTemplate.from_messages(
         [
@@ -391,7 +391,7 @@ def test_wrapped_chat_anthropic_reports_cache_reads() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_dying_mid_answer_raises_the_cores_error(stream: bool, documents: Any) -> None:
     from contextpilot_integrations.errors import EngineUnavailable
-    from contextpilot_integrations.whatif.fake_providers import broken_stream_server
+    from contextpilot_integrations.testing.fake_providers import broken_stream_server
 
     with broken_stream_server() as url:
         pilot = ContextPilot()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from contextpilot_integrations.whatif.llama_server import LlamaServer
+from contextpilot_integrations.testing.llama_server import LlamaServer
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langchain_rag_chain.py"
 

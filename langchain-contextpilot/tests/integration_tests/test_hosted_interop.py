@@ -1,6 +1,6 @@
 """What a hosted request carries besides ContextPilot's own cache hints, through LangChain's
 real classes (ChatAnthropic, ChatOpenAI, create_agent, AnthropicPromptCachingMiddleware)
-against local fakes of the hosted APIs (contextpilot_integrations.whatif.fake_*: they cannot
+against local fakes of the hosted APIs (contextpilot_integrations.testing.fake_*: they cannot
 be reached from here), which record every body and refuse what the real APIs refuse (a fifth
 cache_control marker: HTTP 400, the top-level automatic marker taking a slot):
 
@@ -31,10 +31,10 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references
+from contextpilot_integrations.core.binding import dangling_references
 from contextpilot_integrations.errors import CacheKeyWarning
-from contextpilot_integrations.whatif.fake_openai import fake_openai
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from langchain_contextpilot import ContextPilotChatModel, ContextPilotRetriever, ConversationalRAG, format_documents
 from langchain_contextpilot.middleware import ContextPilotMiddleware, WrappedModelWarning
 from tests.integration_tests.test_agent_middleware import search, texts

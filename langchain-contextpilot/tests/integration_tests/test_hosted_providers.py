@@ -1,6 +1,6 @@
 """Hosted APIs through LangChain's own chat models (ChatAnthropic, ChatBedrockConverse,
 ChatOpenAI, ChatGoogleGenerativeAI), wrapped by ContextPilotChatModel, against local fakes of
-the hosted APIs (which cannot be reached from here; contextpilot_integrations.whatif.fake_*),
+the hosted APIs (which cannot be reached from here; contextpilot_integrations.testing.fake_*),
 driven over real HTTP by the providers' real SDKs. Every request body is asserted: the
 provider's marker right where the shared prefix ends, at most 4, none below the model's
 minimum, one prompt_cache_key for requests that share their leading documents, and the
@@ -22,11 +22,11 @@ from langchain_google_genai import ChatGoogleGenerativeAI
 from langchain_openai import ChatOpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.binding import dangling_references
-from contextpilot_integrations.whatif.fake_bedrock import fake_bedrock
-from contextpilot_integrations.whatif.fake_gemini import fake_gemini
-from contextpilot_integrations.whatif.fake_openai import fake_openai
-from contextpilot_integrations.whatif.fake_providers import fake_anthropic
+from contextpilot_integrations.core.binding import dangling_references
+from contextpilot_integrations.testing.fake_bedrock import fake_bedrock
+from contextpilot_integrations.testing.fake_gemini import fake_gemini
+from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from langchain_contextpilot import ContextPilotChatModel, ContextPilotRetriever, format_documents
 from langchain_contextpilot.cache_markers import provider_of
 from tests.support import QUERY, BM25ChunkRetriever

@@ -22,7 +22,7 @@ from langchain_core.prompts import ChatPromptTemplate
 
 from contextpilot_integrations import ContextPilot, PreparedRequest, render_block
 from contextpilot_integrations.engines.client import BlockTokenizer
-from contextpilot_integrations.whatif.live_engines import (
+from contextpilot_integrations.testing.live_engines import (
     MODEL_NAME,
     SYSTEM_PROMPT,
     EventPath,

@@ -13,7 +13,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.whatif.llama_server import LlamaServer
+from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, ConversationalRAG, format_documents
 from tests.support import QUERY, BM25ChunkRetriever
 

@@ -10,7 +10,7 @@ from langchain_core.runnables import RunnableLambda
 
 from contextpilot_integrations import MicroBatcher
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.whatif.llama_server import LlamaServer, free_port
+from contextpilot_integrations.testing.llama_server import LlamaServer, free_port
 from langchain_contextpilot import ChatSGLang, ContextPilotRetriever, format_documents
 from tests.support import QUERY, BM25ChunkRetriever
 

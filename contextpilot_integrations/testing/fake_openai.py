@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, stepped_prefix_keys, tokens
+from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, PrefixCache, stepped_prefix_keys, tokens
 
 __all__ = ["FakeOpenAI", "fake_openai", "prompt_text", "prompt_text_and_breakpoints"]
 
@@ -38,18 +36,13 @@ ROUTING_TOKENS = 256
 
 
 @dataclass
-class FakeOpenAI:
+class FakeOpenAI(FakeProvider):
     """A running fake of OpenAI's Chat Completions API (see the module docstring)."""
 
-    url: str = ""
     min_tokens: int = 1024
     granularity: int = 128
-    call_tools: bool = True
-    requests: list[dict[str, Any]] = field(default_factory=list)
     fail_next: int = 0
     """Answer the next this many requests with HTTP 500."""
-    _cache: PrefixCache = field(default_factory=PrefixCache)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def base_url(self) -> str:
@@ -110,9 +103,8 @@ class FakeOpenAI:
             return Answer(
                 404, {"error": {"message": f"no such route: {method} {path}", "type": "invalid_request_error"}}
             )
+        number = self.record(body)
         with self._lock:
-            self.requests.append(body)
-            number = len(self.requests)
             failing = self.fail_next > 0
             self.fail_next -= failing
         if failing:
@@ -193,10 +185,6 @@ def _text(content: Any) -> str:
     return ""
 
 
-@contextmanager
-def fake_openai(**options: Any) -> Iterator[FakeOpenAI]:
+def fake_openai(**options: Any) -> AbstractContextManager[FakeOpenAI]:
     """A :class:`FakeOpenAI` on a free port of 127.0.0.1, stopped on exit."""
-    fake = FakeOpenAI(**options)
-    with serve(fake, "fake-openai") as url:
-        fake.url = url
-        yield fake
+    return FakeOpenAI(**options).running("fake-openai")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 
-from .errors import BlockTypeError
+from ..errors import BlockTypeError
 
 __all__ = [
     "MAX_BLOCKS",

@@ -21,8 +21,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..pilot import BatchRequest
 from .blocks import Block, BlockLike, normalize_blocks
-from .pilot import BatchRequest
 from .prepared import PreparedRequest
 from .validation import check_conversation_id, check_kept_turns, check_query
 

@@ -16,11 +16,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "CHARS_PER_TOKEN",
     "Answer",
+    "FakeProvider",
     "FakeServer",
     "PrefixCache",
     "breakpoint_usage",
@@ -218,3 +219,38 @@ def serve(fake: FakeServer, name: str) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+F = TypeVar("F", bound="FakeProvider")
+
+
+@dataclass
+class FakeProvider:
+    """What every hosted API's fake holds: where it runs, whether it calls tools, the bodies
+    it got and the prefixes its cache holds."""
+
+    url: str = ""
+    """Its base URL, once :meth:`running`."""
+    call_tools: bool = True
+    """Answer a request that offers tools and ends with the user's text with a call of its first tool."""
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    """Every request body, in order of arrival."""
+    _cache: PrefixCache = field(default_factory=PrefixCache)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def answer(self, method: str, path: str, body: dict[str, Any] | None) -> Answer:
+        """The answer to one request, in the provider's wire format (each fake its own)."""
+        raise NotImplementedError
+
+    def record(self, body: dict[str, Any]) -> int:
+        """Keep ``body``; its number (from 1)."""
+        with self._lock:
+            self.requests.append(body)
+            return len(self.requests)
+
+    @contextmanager
+    def running(self: F, name: str) -> Iterator[F]:
+        """This fake on a free port of 127.0.0.1 until exit (``url`` set)."""
+        with serve(self, name) as url:
+            self.url = url
+            yield self

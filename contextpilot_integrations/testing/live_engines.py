@@ -44,14 +44,14 @@ from typing import Any
 
 import httpx
 
-from ..annotations import render_block
-from ..blocks import Block
+from ..core.annotations import render_block
+from ..core.blocks import Block
+from ..core.prepared import PreparedRequest
 from ..engines.client import BlockTokenizer, OpenAICompatClient
 from ..engines.sink import KvEventSink
 from ..engines.wire import KvEventBatch
 from ..pilot import ContextPilot
-from ..prepared import PreparedRequest
-from .llama_server import free_port
+from ..whatif.server_process import free_port
 
 __all__ = [
     "ENGINE_VERSIONS",

@@ -17,30 +17,23 @@ model under ``"model"``.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, serve, stepped_prefix_keys
+from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, stepped_prefix_keys
 
 __all__ = ["FakeGemini", "fake_gemini"]
 
 
 @dataclass
-class FakeGemini:
+class FakeGemini(FakeProvider):
     """A running fake of the Gemini API (see the module docstring)."""
 
-    url: str = ""
     min_tokens: int = 2048
     granularity: int = 32
     """Cached prefixes are found in steps of this many tokens (a simplification)."""
-    call_tools: bool = True
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    _cache: PrefixCache = field(default_factory=PrefixCache)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def usage(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         text = "".join(piece + "\n" for piece in _flatten(body))
@@ -64,8 +57,7 @@ class FakeGemini:
             )
         if body is None:
             return Answer(400, {"error": {"code": 400, "message": "no body", "status": "INVALID_ARGUMENT"}})
-        with self._lock:
-            self.requests.append({**body, "model": model})
+        self.record({**body, "model": model})
         part: dict[str, Any] = {"text": "ok"}
         call = self._function_call(body)
         if call is not None:
@@ -104,10 +96,6 @@ def _flatten(body: dict[str, Any]) -> list[str]:
     return pieces
 
 
-@contextmanager
-def fake_gemini(**options: Any) -> Iterator[FakeGemini]:
+def fake_gemini(**options: Any) -> AbstractContextManager[FakeGemini]:
     """A :class:`FakeGemini` on a free port of 127.0.0.1, stopped on exit."""
-    fake = FakeGemini(**options)
-    with serve(fake, "fake-gemini") as url:
-        fake.url = url
-        yield fake
+    return FakeGemini(**options).running("fake-gemini")

@@ -1,34 +1,44 @@
 """A hosted API's answer, back to the pilot: cache reads and writes, and what it still holds.
 
 The adapters' chat models call :func:`report_provider_served` where they would call
-:func:`~.engines.feedback.report_served` for a local engine: the provider's usage
-(:func:`~.providers.read_provider_usage`) goes to the pilot's statistics with its cache
-writes (:meth:`ContextPilot.record_provider_usage`), and, only with ``usage_feedback``,
-cache reads short of the prediction drop from the index what the provider is taken to no
-longer hold. Off by default: a hosted API reads only at the entries its markers wrote (or in
-128-token steps), so a short read is mostly no eviction (taking it as one cost 8-13% in the
-provider what-if, :mod:`.whatif.provider_sim`); forget requests one TTL after sending
-(``pilot.evict``) instead. A report the provider got wrong is logged, never raised: the
-call itself succeeded.
+:func:`~contextpilot_integrations.engines.feedback.report_served` for a local engine: the
+provider's usage (:func:`~.read_provider_usage`) goes to the pilot's statistics with its
+cache writes (:meth:`ContextPilot.record_provider_usage`), and, only with
+``usage_feedback``, cache reads short of the prediction drop from the index what the
+provider is taken to no longer hold. Off by default: a hosted API reads only at the entries
+its markers wrote (or in 128-token steps), so a short read is mostly no eviction (taking it
+as one cost 8-13% in the provider what-if,
+:mod:`contextpilot_integrations.whatif.provider_sim`); forget requests one TTL after
+sending (``pilot.evict``) instead. A report the provider got wrong is logged, never
+raised: the call itself succeeded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
-from .engines.feedback import cached_blocks_from_usage
-from .pilot import ContextPilot
-from .prepared import PreparedRequest
-from .providers import ProviderUsage, read_provider_usage
+from ..core.prepared import PreparedRequest
+from ..engines.feedback import cached_blocks_from_usage
+from .usage import ProviderUsage, read_provider_usage
 
 __all__ = ["report_provider_served"]
 
 _log = logging.getLogger(__name__)
 
 
+class UsageRecorder(Protocol):
+    """What a report needs of the pilot (a :class:`~contextpilot_integrations.ContextPilot`):
+    typed here, so that the providers' layer does not import the pilot that imports it."""
+
+    def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None: ...
+
+    def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int: ...
+
+
 def report_provider_served(
-    pilot: ContextPilot | None,
+    pilot: UsageRecorder | None,
     prepared: PreparedRequest,
     raw: object,
     provider: str | None,

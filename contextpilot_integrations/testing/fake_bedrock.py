@@ -18,14 +18,12 @@ request body is recorded, with its model id under ``"modelId"``.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, breakpoint_usage, serve
+from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, breakpoint_usage
 
 __all__ = ["FakeBedrock", "fake_bedrock"]
 
@@ -33,16 +31,11 @@ MAX_CACHE_POINTS = 4
 
 
 @dataclass
-class FakeBedrock:
+class FakeBedrock(FakeProvider):
     """A running fake of Bedrock's Converse API (see the module docstring)."""
 
-    url: str = ""
     min_tokens: int = 1024
     """The minimum tokens before a cache point (Claude 3.7 Sonnet and Claude 4 on Bedrock: 1,024)."""
-    call_tools: bool = True
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    _cache: PrefixCache = field(default_factory=PrefixCache)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def usage(self, body: dict[str, Any], model: str) -> dict[str, int]:
         pieces, marks = _flatten(body)
@@ -61,9 +54,7 @@ class FakeBedrock:
         if method != "POST" or len(parts) != 3 or parts[0] != "model" or parts[2] != "converse" or body is None:
             return Answer(404, {"message": f"fake Bedrock: no such route {method} {path}"})
         model = unquote(parts[1])
-        with self._lock:
-            self.requests.append({**body, "modelId": model})
-            number = len(self.requests)
+        number = self.record({**body, "modelId": model})
         points = len(_flatten(body)[1])
         if points > MAX_CACHE_POINTS:
             return Answer(400, {"message": f"The number of cachePoint blocks ({points}) exceeds {MAX_CACHE_POINTS}."})
@@ -125,10 +116,6 @@ def _flatten(body: dict[str, Any]) -> tuple[list[str], list[int]]:
     return pieces, marks
 
 
-@contextmanager
-def fake_bedrock(**options: Any) -> Iterator[FakeBedrock]:
+def fake_bedrock(**options: Any) -> AbstractContextManager[FakeBedrock]:
     """A :class:`FakeBedrock` on a free port of 127.0.0.1, stopped on exit."""
-    fake = FakeBedrock(**options)
-    with serve(fake, "fake-bedrock") as url:
-        fake.url = url
-        yield fake
+    return FakeBedrock(**options).running("fake-bedrock")

@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .fake_http import CHARS_PER_TOKEN, Answer, PrefixCache, breakpoint_usage, serve
+from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, breakpoint_usage
 
 __all__ = ["FakeAnthropic", "broken_stream_server", "fake_anthropic"]
 
@@ -37,18 +37,13 @@ MAX_BREAKPOINTS = 4
 
 
 @dataclass
-class FakeAnthropic:
+class FakeAnthropic(FakeProvider):
     """A running fake of Anthropic's Messages API on 127.0.0.1 (see the module docstring)."""
 
-    url: str = ""
     min_tokens: int = 1024
     """The minimum cacheable prompt length (Claude Sonnet and Opus 4: 1,024 tokens)."""
-    call_tools: bool = True
-    requests: list[dict[str, Any]] = field(default_factory=list)
     fail_next: int = 0
     """Answer the next this many requests with HTTP 529 (overloaded)."""
-    _cache: PrefixCache = field(default_factory=PrefixCache)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def usage(self, body: dict[str, Any]) -> dict[str, int]:
         """The usage this request is billed: cache reads, writes, and the rest (and the
@@ -69,9 +64,8 @@ class FakeAnthropic:
     def answer(self, method: str, path: str, body: dict[str, Any] | None) -> Answer:
         if method != "POST" or path.split("?")[0].rstrip("/") != "/v1/messages" or body is None:
             return _error(404, "not_found_error", f"{method} {path}")
+        number = self.record(body)
         with self._lock:
-            self.requests.append(body)
-            number = len(self.requests)
             failing = self.fail_next > 0
             self.fail_next -= failing
         if failing:
@@ -186,13 +180,9 @@ def _events(message: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
     ]
 
 
-@contextmanager
-def fake_anthropic(**options: Any) -> Iterator[FakeAnthropic]:
+def fake_anthropic(**options: Any) -> AbstractContextManager[FakeAnthropic]:
     """A :class:`FakeAnthropic` on a free port of 127.0.0.1, stopped on exit."""
-    fake = FakeAnthropic(**options)
-    with serve(fake, "fake-anthropic") as url:
-        fake.url = url
-        yield fake
+    return FakeAnthropic(**options).running("fake-anthropic")
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import BlockTypeError, DuplicateBlockError, InvalidBlockError
+from ..errors import BlockTypeError, DuplicateBlockError, InvalidBlockError
 from .usage import MAX_TOKENS
 
 __all__ = ["Block", "BlockLike", "content_id", "normalize_blocks"]

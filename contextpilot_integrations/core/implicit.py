@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import warnings
 
-from .pilot import ContextPilot
+from ..pilot import ContextPilot
 
 __all__ = ["ImplicitPilotWarning", "own_pilot"]
 

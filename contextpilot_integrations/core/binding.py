@@ -22,9 +22,9 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, MutableSequ
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..pilot import ContextPilot
 from .annotations import DEFAULT_TEMPLATES, Templates, render_block
 from .blocks import CHARS_PER_TOKEN, BlockLike
-from .pilot import ContextPilot
 from .prepared import PreparedRequest, resolve_references
 
 __all__ = [

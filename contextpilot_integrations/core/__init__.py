@@ -1,0 +1,1 @@
+"""The core model: blocks, prepared requests, annotations, conversations, the send decision."""
