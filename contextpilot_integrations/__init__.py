@@ -7,7 +7,6 @@ Method: ContextPilot (MLSys 2026, "Fast Long-Context Inference via Context Reuse
 """
 
 from .core.annotations import Templates, parse_order_annotation, render_block
-from .core.batching import MicroBatcher
 from .core.blocks import Block, content_id
 from .core.prepared import PreparedRequest, Reference
 from .errors import (
@@ -19,6 +18,7 @@ from .errors import (
     UnknownStrategyError,
 )
 from .index.strategies import STRATEGIES
+from .integration.batching import MicroBatcher
 from .pilot import BatchRequest, ContextPilot, PilotStats
 
 __version__ = "0.1.0"

@@ -11,9 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.core.binding import Binding
-from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import (
+from contextpilot_integrations.integration.call_plan import (
     MarkedCall,
     callers_cache_key,
     carried_markers,
@@ -21,6 +19,8 @@ from contextpilot_integrations.providers.call_plan import (
     markers_left,
     plan_bound_call,
 )
+from contextpilot_integrations.pilot.binding import Binding
+from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 MARK = {"type": "ephemeral"}
 

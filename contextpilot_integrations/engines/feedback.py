@@ -20,10 +20,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..core.binding import Binding
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_usage
 from ..pilot import ContextPilot
+from ..pilot.binding import Binding
 from .kv_mapping import blocks_held
 
 __all__ = [

@@ -5,7 +5,7 @@ a handler class adds a new one only where no run above already has one. So each 
 invocation (``chain.invoke``, each input of ``chain.batch``, a graph step's run) gets its
 own :class:`InvocationBinder`, and every run below it shares that one. The binder records
 the run tree; the retrieval step deposits its prepared request at its run, the model call
-takes it (:class:`~contextpilot_integrations.core.binding.RunBinder`). Nothing is shared between
+takes it (:class:`~contextpilot_integrations.pilot.binding.RunBinder`). Nothing is shared between
 invocations, so concurrent users never see each other's requests.
 """
 
@@ -18,7 +18,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.tracers.context import register_configure_hook
 
-from contextpilot_integrations.core.binding import Binding, RunBinder
+from contextpilot_integrations.pilot.binding import Binding, RunBinder
 
 __all__ = ["ContextPilotBindingWarning", "InvocationBinder", "deposit", "take"]
 

@@ -17,7 +17,7 @@ plan in each provider's own LangChain form, on copies of the outgoing messages:
 Every marker the request carries besides ours counts against the provider's limit of four:
 on the messages, on a bound tool definition, and ``ChatAnthropic``'s top-level
 ``cache_control`` (call argument or ``model_kwargs``; see
-:func:`~contextpilot_integrations.providers.call_plan.markers_left`).
+:func:`~contextpilot_integrations.integration.call_plan.markers_left`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
 from contextpilot_integrations.core.annotations import render_block
-from contextpilot_integrations.core.binding import Binding
 from contextpilot_integrations.core.blocks import CHARS_PER_TOKEN
+from contextpilot_integrations.integration.call_plan import MarkedCall, markers_left, plan_bound_call, with_cache_key
+from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import MarkedCall, markers_left, plan_bound_call, with_cache_key
 
 __all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage", "text_of"]
 
@@ -98,7 +98,7 @@ def mark_messages(
     ``tools`` (besides ``kwargs["tools"]``) and ``settings`` (besides ``kwargs``: the
     model's ``model_kwargs``) may carry markers too; ``callers_key``: a ``prompt_cache_key``
     the model sends of its own; ``keys``: the conversations' keys (see
-    :func:`~contextpilot_integrations.providers.call_plan.with_cache_key`).
+    :func:`~contextpilot_integrations.integration.call_plan.with_cache_key`).
 
     ``conversation``: the documents follow a conversation (an agent's tool results):
     OpenAI's key then comes from the prompt's leading text

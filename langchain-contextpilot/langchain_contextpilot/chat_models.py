@@ -24,15 +24,15 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from contextpilot_integrations.core.binding import Binding
 from contextpilot_integrations.core.validation import unknown_argument
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
+from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
+from contextpilot_integrations.integration.hosted_feedback import report_provider_served
+from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import callers_cache_key, mark_bound_call
-from contextpilot_integrations.providers.feedback import report_provider_served
 
 from . import _binding, _model_calls, cache_markers
 from ._model_calls import BINDING_KWARG, PROMPT_IDS_KEY

@@ -11,8 +11,8 @@ from langchain_core.runnables import RunnableConfig, RunnableLambda
 from pydantic import ConfigDict, Field
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import Binding, aprepare_bound, prepare_bound
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
 from ._documents import CONVERSATION_KEYS, EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks

@@ -17,8 +17,8 @@ from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from contextpilot_integrations import BlockTypeError, PreparedRequest
-from contextpilot_integrations.core.binding import Binding, aprepare_bound, prepare_bound, resolve_references
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound, resolve_references
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks

@@ -32,8 +32,8 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 from pydantic import BaseModel, ConfigDict, Field
 
 from contextpilot_integrations import BlockTypeError
-from contextpilot_integrations.core.binding import Binding, aprepare_bound, prepare_bound
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks

@@ -36,12 +36,12 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from contextpilot_integrations import PreparedRequest, content_id, render_block
-from contextpilot_integrations.core.binding import Binding, checked_for_sending, prepare_bound
-from contextpilot_integrations.core.implicit import own_pilot
 from contextpilot_integrations.engines.feedback import report_failed
+from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
+from contextpilot_integrations.integration.hosted_feedback import report_provider_served
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import Binding, checked_for_sending, prepare_bound
 from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
-from contextpilot_integrations.providers.feedback import report_provider_served
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, is_blank, to_blocks

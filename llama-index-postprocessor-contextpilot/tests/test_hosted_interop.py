@@ -16,8 +16,8 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import invariant_breaches
 from contextpilot_integrations.errors import CacheKeyWarning
+from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotLLM

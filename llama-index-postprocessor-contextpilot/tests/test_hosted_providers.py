@@ -18,7 +18,7 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import dangling_references
+from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.whatif.datasets import load_multihop_rag

@@ -38,13 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("providers", ("providers",)),
     ("shared", ("shared",)),
     ("pilot", ("pilot",)),
-    (
-        "uses the pilot",
-        (
-            *("engines", "batching", "binding", "implicit", "hosted_keys", "hosted_plans", "hosted_usage", ""),
-            *("core.batching", "core.binding", "core.implicit"),  # once the root modules move to core/
-        ),
-    ),
+    ("engines", ("engines",)),
+    ("integration", ("integration", "")),
     ("whatif", ("whatif", "testing", "__main__")),
 ]
 """Layer name and the rooms in it: a module belongs to the layer of its longest listed prefix

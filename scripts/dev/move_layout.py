@@ -60,16 +60,34 @@ TESTING = [
 ]
 """Test fakes and live-engine harnesses: out of whatif/ (and out of the wheel)."""
 
+INTEGRATION = {
+    "batching": "batching",
+    "implicit": "implicit",
+    "hosted_plans": "call_plan",
+    "hosted_usage": "hosted_feedback",
+}
+"""What the framework adapters call, above the pilot and the engines: old name -> new name."""
+
 MOVES: dict[str, str] = {
-    **{f"{PKG}.{name}": f"{PKG}.core.{name}" for name in CORE},
+    **{f"{PKG}.{name}": f"{PKG}.core.{name}" for name in CORE if name not in INTEGRATION and name != "binding"},
     f"{PKG}.hosted_keys": f"{PKG}.providers.cache_key",  # merged into cache_key.py (same job: the key)
-    f"{PKG}.hosted_plans": f"{PKG}.providers.call_plan",
-    f"{PKG}.hosted_usage": f"{PKG}.providers.feedback",
+    **{f"{PKG}.{old}": f"{PKG}.integration.{new}" for old, new in INTEGRATION.items()},
+    f"{PKG}.core.batching": f"{PKG}.integration.batching",  # where an earlier run of this script put them
+    f"{PKG}.core.implicit": f"{PKG}.integration.implicit",
+    f"{PKG}.providers.call_plan": f"{PKG}.integration.call_plan",
+    f"{PKG}.providers.feedback": f"{PKG}.integration.hosted_feedback",
+    # the request bound to its model call is the pilot's: engines and the integration layer use it
+    f"{PKG}.binding": f"{PKG}.pilot.binding",
+    f"{PKG}.core.binding": f"{PKG}.pilot.binding",
     **{f"{PKG}.whatif.{name}": f"{PKG}.testing.{name}" for name in TESTING},
 }
 """Old module -> new module."""
 
 NEW_PACKAGES = {
+    f"{PKG}.integration": (
+        '"""What the framework adapters call: the micro-batcher, the pilot an integration makes on its own,\n'
+        'and the cache plan and usage of a hosted provider for one bound call. Above the pilot and the engines."""\n'
+    ),
     f"{PKG}.core": '"""The core model: blocks, prepared requests, annotations, conversations, the send decision."""\n',
     f"{PKG}.testing": (
         '"""Test kit: fakes of the hosted APIs and harnesses that start real engines (llama-server, vLLM,\n'

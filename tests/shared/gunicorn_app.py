@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.shared import SharedOptions
 
 DOCS = [{"id": f"d{n}", "text": f"document {n} " * 10, "tokens": 30} for n in range(12)]

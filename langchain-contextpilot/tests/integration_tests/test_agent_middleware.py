@@ -20,7 +20,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import dangling_references
+from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from langchain_contextpilot.middleware import REQUEST_KEY, TURN_KEY, ContextPilotMiddleware

@@ -24,7 +24,7 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_core.tools import tool
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import invariant_breaches, message_texts
+from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotCompressor, ContextPilotRetriever, format_documents

@@ -22,7 +22,7 @@ from langchain_google_genai import ChatGoogleGenerativeAI
 from langchain_openai import ChatOpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import dangling_references
+from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_bedrock import fake_bedrock
 from contextpilot_integrations.testing.fake_gemini import fake_gemini
 from contextpilot_integrations.testing.fake_openai import fake_openai

@@ -21,7 +21,7 @@ from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core.binding import invariant_breaches
+from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotChatModel, ContextPilotRetriever, format_documents
 from tests.support import QUERY, BM25ChunkRetriever

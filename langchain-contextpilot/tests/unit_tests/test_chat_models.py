@@ -8,7 +8,7 @@ import pytest
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.core.binding import Binding
+from contextpilot_integrations.pilot.binding import Binding
 from langchain_contextpilot import ChatSGLang
 from langchain_contextpilot._model_calls import with_ids
 

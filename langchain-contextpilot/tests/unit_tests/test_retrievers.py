@@ -15,7 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core import implicit
+from contextpilot_integrations.integration import implicit
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server
 from langchain_contextpilot import (
     ContextPilotCompressor,

@@ -5,7 +5,7 @@ LlamaIndex runs a query as a tree of instrumentation spans (``query`` -> ``retri
 framework's way to observe every span) records each span's parent while its root span is
 open; the postprocessor deposits its prepared request at the active span, the LLM call
 takes the deposit nearest to its own span
-(:class:`~contextpilot_integrations.core.binding.RunBinder`). When the root span ends, its whole
+(:class:`~contextpilot_integrations.pilot.binding.RunBinder`). When the root span ends, its whole
 subtree is forgotten. Concurrent queries are different roots and never meet.
 
 A streaming query calls its LLM only when the stream is read, after the query's spans have
@@ -27,7 +27,7 @@ from llama_index.core.instrumentation.span.base import BaseSpan
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from pydantic import PrivateAttr
 
-from contextpilot_integrations.core.binding import Binding, RunBinder
+from contextpilot_integrations.pilot.binding import Binding, RunBinder
 
 __all__ = ["deposit", "failed", "take"]
 

@@ -12,8 +12,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from contextpilot_integrations import Block, BlockTypeError, InvalidBlockError, PreparedRequest
-from contextpilot_integrations.core.binding import prepare_bound
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import prepare_bound
 
 from ._binding import deposit, span_binder
 

@@ -22,10 +22,10 @@ from typing import Any
 from llama_index.core.base.llms.types import CacheControl, CachePoint, ChatMessage, MessageRole, TextBlock
 
 from contextpilot_integrations.core.annotations import render_block
-from contextpilot_integrations.core.binding import Binding
 from contextpilot_integrations.core.blocks import CHARS_PER_TOKEN
+from contextpilot_integrations.integration.call_plan import MarkedCall, markers_left, plan_bound_call, with_cache_key
+from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import MarkedCall, markers_left, plan_bound_call, with_cache_key
 
 __all__ = ["PROVIDERS", "MarkedChat", "mark_chat", "model_name", "provider_of"]
 
@@ -72,7 +72,7 @@ def mark_chat(
     ``settings`` (besides ``kwargs``: the LLM's ``additional_kwargs``) and ``cache_idx``
     (``Anthropic``'s own) may carry markers too; ``callers_key``: a ``prompt_cache_key`` the
     LLM sends of its own; ``keys``: the conversations' keys (see
-    :func:`~contextpilot_integrations.providers.call_plan.with_cache_key`)."""
+    :func:`~contextpilot_integrations.integration.call_plan.with_cache_key`)."""
     prepared = binding.prepared
     out = list(messages)
     existing = sum(_markers_in(index, message, cache_idx) for index, message in enumerate(out))

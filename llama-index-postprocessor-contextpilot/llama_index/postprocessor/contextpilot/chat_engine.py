@@ -16,8 +16,8 @@ from llama_index.core.memory import Memory
 from llama_index.core.schema import NodeWithScore
 
 from contextpilot_integrations import ContextPilot, PreparedRequest, render_block
-from contextpilot_integrations.core.binding import Binding
-from contextpilot_integrations.core.implicit import own_pilot
+from contextpilot_integrations.integration.implicit import own_pilot
+from contextpilot_integrations.pilot.binding import Binding
 
 from ._llm_calls import BINDING_KWARG, usage_of
 from .base import emit, in_send_order, to_blocks

@@ -27,14 +27,14 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import LLM
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.core.binding import Binding
 from contextpilot_integrations.core.validation import unknown_argument
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
+from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
+from contextpilot_integrations.integration.hosted_feedback import report_provider_served
+from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
-from contextpilot_integrations.providers.call_plan import callers_cache_key, mark_bound_call
-from contextpilot_integrations.providers.feedback import report_provider_served
 
 from . import _llm_calls, cache_points
 from ._binding import span_binder, take

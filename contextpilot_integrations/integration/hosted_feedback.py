@@ -2,8 +2,8 @@
 
 The adapters' chat models call :func:`report_provider_served` where they would call
 :func:`~contextpilot_integrations.engines.feedback.report_served` for a local engine: the
-provider's usage (:func:`~.read_provider_usage`) goes to the pilot's statistics with its
-cache writes (:meth:`ContextPilot.record_provider_usage`), and, only with
+provider's usage (:func:`~contextpilot_integrations.providers.read_provider_usage`) goes to the
+pilot's statistics with its cache writes (:meth:`ContextPilot.record_provider_usage`), and, only with
 ``usage_feedback``, cache reads short of the prediction drop from the index what the
 provider is taken to no longer hold. Off by default: a hosted API reads only at the entries
 its markers wrote (or in 128-token steps), so a short read is mostly no eviction (taking it
@@ -21,7 +21,7 @@ from typing import Protocol
 
 from ..core.prepared import PreparedRequest
 from ..engines.feedback import cached_blocks_from_usage
-from .usage import ProviderUsage, read_provider_usage
+from ..providers.usage import ProviderUsage, read_provider_usage
 
 __all__ = ["report_provider_served"]
 

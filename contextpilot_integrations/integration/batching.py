@@ -21,10 +21,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..core.blocks import Block, BlockLike, normalize_blocks
+from ..core.prepared import PreparedRequest
+from ..core.validation import check_conversation_id, check_kept_turns, check_query
 from ..pilot import BatchRequest
-from .blocks import Block, BlockLike, normalize_blocks
-from .prepared import PreparedRequest
-from .validation import check_conversation_id, check_kept_turns, check_query
 
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
 

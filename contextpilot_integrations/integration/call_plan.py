@@ -11,7 +11,8 @@ and how many markers the messages already carry; the plan and OpenAI's
 - :func:`callers_cache_key`, :func:`with_cache_key`: a ``prompt_cache_key`` the caller set
   (call argument, the model's field or ``model_kwargs``) wins and is sent as set; ours is
   then left out, with a :class:`~contextpilot_integrations.errors.CacheKeyWarning`. A
-  conversation keeps the key of its first request (:class:`~.cache_key.ConversationKeys`).
+  conversation keeps the key of its first request
+  (:class:`~contextpilot_integrations.providers.cache_key.ConversationKeys`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..core.binding import Binding
 from ..errors import CacheKeyWarning
-from .cache_key import ROUTING_TOKENS, ConversationKeys, leading_text_key
-from .plan import CachePlan, plan_cache
+from ..pilot.binding import Binding
+from ..providers.cache_key import ROUTING_TOKENS, ConversationKeys, leading_text_key
+from ..providers.plan import CachePlan, plan_cache
 
 __all__ = [
     "MAX_MARKERS",
@@ -115,8 +116,8 @@ def with_cache_key(
     A key the caller set (in ``kwargs`` or ``callers_key``, see :func:`callers_cache_key`)
     wins: ours is left out, with a :class:`CacheKeyWarning`. Documents after a
     conversation's start are keyed by the prompt's leading text (``texts``: the outgoing
-    messages' texts, in order; see :mod:`.cache_key`); with ``keys``, every request of a
-    conversation goes under the key of its first."""
+    messages' texts, in order; see :mod:`contextpilot_integrations.providers.cache_key`); with
+    ``keys``, every request of a conversation goes under the key of its first."""
     call_kwargs = dict(kwargs)
     conversation = binding.prepared.conversation_id if keys is not None else None
     if not plan.prompt_cache_key and conversation is None:

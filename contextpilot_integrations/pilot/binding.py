@@ -22,10 +22,10 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, MutableSequ
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..pilot import ContextPilot
-from .annotations import DEFAULT_TEMPLATES, Templates, render_block
-from .blocks import CHARS_PER_TOKEN, BlockLike
-from .prepared import PreparedRequest, resolve_references
+from ..core.annotations import DEFAULT_TEMPLATES, Templates, render_block
+from ..core.blocks import CHARS_PER_TOKEN, BlockLike
+from ..core.prepared import PreparedRequest, resolve_references
+from . import ContextPilot
 
 __all__ = [
     "Binding",
