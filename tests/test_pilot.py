@@ -279,3 +279,12 @@ def test_aplan_runs_in_a_thread(multihop) -> None:
     pilot = ContextPilot()
     planned = asyncio.run(pilot.aplan([(multihop.blocks_for(q), q.text) for q in multihop.queries[:50]]))
     assert len(planned) == 50
+
+
+def test_a_setting_changed_after_construction_counts() -> None:
+    """The planner reads the pilot's settings at each decision (issue 32 split them apart)."""
+    blocks = [Block(id="a", text="x" * 400), Block(id="b", text="y" * 400)]
+    pilot = ContextPilot()
+    assert not pilot.prepare(blocks, "q").labels
+    pilot.plain_prompts = False  # the paper's form: every block labelled
+    assert pilot.prepare(blocks, "q").labels

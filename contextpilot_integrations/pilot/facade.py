@@ -100,8 +100,7 @@ class ContextPilot:
         self._trie, self._strategy = self._state.trie, self._state.strategy
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
         self._lock: Any = threading.RLock()
-        settings = (self.templates, annotate_order, plain_prompts, order_form, self.token_counter, cache_tokens)
-        self._planner = Planner(self._state, self._conversations, *settings)
+        self._planner = Planner(self._state, self._conversations, self)  # reads the settings above
         self._reports = Reports(self._state, self._conversations, self._planner.outlook)
         self.shared: SharedIndex | None = share(self, shared)
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""

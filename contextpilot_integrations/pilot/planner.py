@@ -14,7 +14,7 @@ import gc
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -70,30 +70,51 @@ class Outlook:
     labelled_sends: int = 0  # requests sent labelled: a one-text request may follow their prefix
 
 
+class Settings(Protocol):
+    """What the planner reads of its pilot's settings (:class:`~.facade.ContextPilot` has them)."""
+
+    templates: Templates
+    annotate_order: bool
+    plain_prompts: bool
+    order_form: Form
+    token_counter: TokenCounter
+    cache_tokens: int | None
+
+
 class Planner:
     """Prepares requests and plans batches against one :class:`~.state.EngineState`."""
 
-    def __init__(
-        self,
-        state: EngineState,
-        conversations: ConversationStore,
-        templates: Templates,
-        annotate_order: bool,
-        plain_prompts: bool,
-        order_form: Form,
-        token_counter: TokenCounter,
-        cache_tokens: int | None,
-    ) -> None:
+    def __init__(self, state: EngineState, conversations: ConversationStore, settings: Settings) -> None:
         self.state = state
         self.conversations = conversations
+        self.settings = settings
+        """The pilot's settings, read at each decision: a pilot's attribute set later counts."""
         self.outlook = Outlook()
         self.counters = state.counters
-        self.templates = templates
-        self.annotate_order = annotate_order
-        self.plain_prompts = plain_prompts
-        self.order_form: Form = order_form
-        self.token_counter = token_counter
-        self.cache_tokens = cache_tokens
+
+    @property
+    def templates(self) -> Templates:
+        return self.settings.templates
+
+    @property
+    def annotate_order(self) -> bool:
+        return self.settings.annotate_order
+
+    @property
+    def plain_prompts(self) -> bool:
+        return self.settings.plain_prompts
+
+    @property
+    def order_form(self) -> Form:
+        return self.settings.order_form
+
+    @property
+    def token_counter(self) -> TokenCounter:
+        return self.settings.token_counter
+
+    @property
+    def cache_tokens(self) -> int | None:
+        return self.settings.cache_tokens
 
     def prepare(
         self,
