@@ -39,10 +39,11 @@ def test_bad_kept_turns_are_refused_whatever_the_container(kept: Any) -> None:
 
 @pytest.mark.parametrize("kept", [[0], (0,), {0}, frozenset({0}), range(1), [Turn.FIRST], iter([0]), [0, 0]])
 def test_good_kept_turns_keep_the_first_turn(kept: Collection[int]) -> None:
+    first = "a" * 400  # longer than a reference to it: worth referring to (issue 29)
     pilot = ContextPilot()
-    pilot.prepare(["a"], "q", conversation_id="c")
-    again = pilot.prepare(["a", "b"], "q", conversation_id="c", kept_turns=kept)
-    assert [r.block.text for r in again.references] == ["a"] and [b.text for b in again.blocks] == ["b"]
+    pilot.prepare([first], "q", conversation_id="c")
+    again = pilot.prepare([first, "b"], "q", conversation_id="c", kept_turns=kept)
+    assert [r.block.text for r in again.references] == [first] and [b.text for b in again.blocks] == ["b"]
     nothing_kept = pilot.prepare(["a"], "q", conversation_id="c", kept_turns=[])
     assert [b.text for b in nothing_kept.blocks] == ["a"]
 
