@@ -5,11 +5,6 @@ real llama-server, every body recorded and audited."""
 
 from __future__ import annotations
 
-import json
-import threading
-from typing import Any
-
-import httpx
 import pytest
 from llama_index.core import QueryBundle, VectorStoreIndex
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -18,6 +13,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
+from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION
@@ -35,19 +31,6 @@ class WithABlank(BaseRetriever):
         nodes = self._inner.retrieve(query_bundle)
         blank = NodeWithScore(node=TextNode(id_="empty-one", text=self._blank), score=0.5)
         return [*nodes[:2], blank, *nodes[2:]]
-
-
-class Bodies:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def client(self) -> httpx.Client:
-        def record(request: httpx.Request) -> None:
-            with self._lock:
-                self.sent.append(json.loads(request.content))
-
-        return httpx.Client(event_hooks={"request": [record]})
 
 
 def llm(llama: LlamaServer, bodies: Bodies) -> SGLangLLM:

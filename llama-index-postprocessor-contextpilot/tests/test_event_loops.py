@@ -7,9 +7,6 @@ runs in langchain-contextpilot's tests)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from typing import Any
 
 import httpx
 from llama_index.core import VectorStoreIndex
@@ -17,19 +14,10 @@ from llama_index.core.llms import ChatMessage
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.pilot.binding import invariant_breaches
+from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from llama_index.postprocessor.contextpilot import ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION
-
-
-class Bodies:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    async def record(self, request: httpx.Request) -> None:
-        with self._lock:
-            self.sent.append(json.loads(request.content))
 
 
 def recorded(llm: SGLangLLM) -> Bodies:

@@ -9,12 +9,10 @@ same body, no request id twice."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import httpx
 import pytest
 from langchain.agents import create_agent
 from langchain.agents.middleware import SummarizationMiddleware, before_model
@@ -28,6 +26,7 @@ from langgraph.graph.message import REMOVE_ALL_MESSAGES
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.pilot.binding import dangling_references, invariant_breaches, message_texts
+from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.testing.llama_server import LlamaServer
@@ -54,21 +53,6 @@ def last_two_turns(state: Any, runtime: Any) -> dict[str, Any] | None:
     if len(questions) <= 2:
         return None
     return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *messages[questions[-2] :]]}
-
-
-class Bodies:
-    """The JSON bodies a real httpx client sends (the summarizer's calls)."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def client(self) -> httpx.Client:
-        def record(request: httpx.Request) -> None:
-            with self._lock:
-                self.sent.append(json.loads(request.content))
-
-        return httpx.Client(event_hooks={"request": [record]})
 
 
 @contextmanager

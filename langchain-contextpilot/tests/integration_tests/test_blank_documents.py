@@ -6,11 +6,8 @@ Anthropic's API (the hosted API cannot be reached from here)."""
 
 from __future__ import annotations
 
-import json
-import threading
 from typing import Any
 
-import httpx
 import pytest
 from langchain.agents import create_agent
 from langchain_anthropic import ChatAnthropic
@@ -25,6 +22,7 @@ from langchain_core.tools import tool
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
+from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotCompressor, ContextPilotRetriever, format_documents
@@ -44,19 +42,6 @@ class WithABlank(BaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         documents = BM25ChunkRetriever(k=5, max_chars=200).invoke(query)
         return [*documents[:2], Document(id="empty-one", page_content=self.blank), *documents[2:]]
-
-
-class Bodies:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def client(self) -> httpx.Client:
-        def record(request: httpx.Request) -> None:
-            with self._lock:
-                self.sent.append(json.loads(request.content))
-
-        return httpx.Client(event_hooks={"request": [record]})
 
 
 def chain(retriever: Any, llama: LlamaServer, bodies: Bodies) -> Any:

@@ -7,12 +7,9 @@ declared off); and the event-loop regression behind its ``test_astream``: one mo
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from langchain_core.language_models import BaseChatModel
 from langchain_core.prompts import ChatPromptTemplate
@@ -22,6 +19,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.pilot.binding import invariant_breaches
+from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotChatModel, ContextPilotRetriever, format_documents
 from tests.support import QUERY, BM25ChunkRetriever
@@ -86,14 +84,6 @@ class TestWrappedChatOpenAILive(_TinyModel, ChatModelIntegrationTests):
 
 
 # ---- the event-loop regression -------------------------------------------------------------------
-class Bodies:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    async def record(self, request: httpx.Request) -> None:
-        with self._lock:
-            self.sent.append(json.loads(request.content))
 
 
 def test_chat_sglang_answers_from_three_event_loops_in_a_row(llama: LlamaServer) -> None:
