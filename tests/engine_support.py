@@ -6,14 +6,14 @@ Set ``CONTEXTPILOT_REQUIRE_ENGINE=1`` (CI does) to fail instead of skip without 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from contextpilot_integrations.testing.fake_http import serve_handler
 from contextpilot_integrations.testing.llama_server import LlamaServer, free_port, tiny_llama_server, tiny_llama_servers
 
 __all__ = ["LlamaServer", "free_port", "serve_quietly", "start_llama_server", "start_llama_servers"]
@@ -27,22 +27,9 @@ def start_llama_servers(workdir: Path, count: int, **options: int) -> AbstractCo
     return tiny_llama_servers(workdir, pytest.skip, count, **options)
 
 
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # clients hang up on purpose here
-
-
 @contextmanager
 def serve_quietly(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """``handler`` served on 127.0.0.1 in a thread (clients that hang up are no error); yields
     its base URL."""
-    server = _QuietServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(handler, "stand-in", quiet=True) as url:
+        yield url

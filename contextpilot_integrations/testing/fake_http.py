@@ -208,13 +208,29 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
 @contextmanager
 def serve(fake: FakeServer, name: str) -> Iterator[str]:
     """Serve ``fake`` on a free port of 127.0.0.1 until exit; yields its base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    server.daemon_threads = True
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serve_handler(_handler(fake), name) as url:
+        yield url
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    quiet = False
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not self.quiet:
+            super().handle_error(request, client_address)
+
+
+@contextmanager
+def serve_handler(handler: type[BaseHTTPRequestHandler], name: str, *, quiet: bool = False) -> Iterator[str]:
+    """Serve ``handler`` on a free port of 127.0.0.1 in a thread until exit; yields its base URL.
+    ``quiet``: a client that hangs up on purpose is no error worth printing."""
+    server = _Server(("127.0.0.1", 0), handler)
+    server.quiet = quiet
     thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     try:
-        yield url
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

@@ -22,14 +22,13 @@ The other hosted APIs' fakes are siblings: :mod:`.fake_openai`, :mod:`.fake_bedr
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, breakpoint_usage
+from .fake_http import CHARS_PER_TOKEN, Answer, FakeProvider, breakpoint_usage, serve_handler
 
 __all__ = ["FakeAnthropic", "broken_stream_server", "fake_anthropic"]
 
@@ -211,13 +210,5 @@ def broken_stream_server() -> Iterator[str]:
             self.close_connection = True
             self.connection.shutdown(2)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="broken-stream", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serve_handler(Handler, "broken-stream") as url:
+        yield url
