@@ -94,13 +94,15 @@ def test_a_reference_that_costs_more_than_it_saves_is_not_made() -> None:
 
 def test_labels_stop_where_conversations_never_come_back_to_a_block() -> None:
     """Traffic whose conversations have one turn each: the first ones are labelled for the
-    references a multi-turn conversation brings, then the traffic shows none come."""
+    references a multi-turn conversation brings, then, as they stay silent, the traffic
+    shows none come."""
     pilot = ContextPilot()
     labelled = [
         pilot.prepare([doc(f"d{n}.{k}", 600) for k in range(15)], "q", conversation_id=f"c{n}").labels
         for n in range(300)
     ]
     assert labelled[0] and not any(labelled[-100:])
+    assert sum(labelled) <= Repeats().max_wait  # the loss is bounded: they count as gone after the wait
     assert pilot._conversations.repeats.rate < 0.01
 
 
@@ -133,3 +135,82 @@ def test_repeats_learn_from_the_traffic_and_forget_the_prior() -> None:
     assert repeats.rate == 1.5
     with pytest.raises(ValueError):
         Repeats(decay=0.0)
+
+
+# ---- censoring: a turn's blocks count once its conversation moved on or is gone (issue 29) ----------
+def test_first_turns_of_many_interleaved_conversations_stay_labelled_until_they_could_come_back() -> None:
+    """120 conversations start before any comes back (conversations interleaved by turn, as
+    in the demo's chat): none could have come back yet, so their first turns are not read as
+    conversations that never do; every second turn refers to the 5 blocks its first turn sent."""
+    pilot = ContextPilot()
+
+    def turn(n: int, t: int) -> list[Block]:
+        return [doc(f"c{n}.{k}", 600) for k in range(5)] + [doc(f"c{n}.t{t}.{k}", 600) for k in range(10)]
+
+    firsts = [pilot.prepare(turn(n, 0), "q", conversation_id=f"c{n}") for n in range(120)]
+    assert all(first.labels for first in firsts)
+    for n in range(120):
+        second = pilot.prepare(turn(n, 1), "q", conversation_id=f"c{n}")
+        assert [(r.block.id, r.turn) for r in second.references] == [(f"c{n}.{k}", 0) for k in range(5)]
+
+
+def test_a_turn_counts_once_its_conversation_moves_on_or_ends() -> None:
+    store = ConversationStore()
+    store.repeats = Repeats(prior=1.0, weight=10.0, decay=1.0)
+    store.deduplicate("a", blocks(1, 2, 3, 4))
+    assert store.repeats.rate == 1.0  # it could not have come back yet: nothing is known
+    store.deduplicate("a", blocks(1, 2, 5, 6))  # two came back
+    assert store.repeats.rate == 12 / 14  # the first turn's four, with the two this turn repeated
+    store.end("a")
+    assert store.repeats.rate == 12 / 16  # ended: this turn's two fresh blocks never came back
+
+
+def test_a_silent_conversation_counts_as_gone_by_degrees_then_in_full() -> None:
+    repeats = Repeats(prior=1.0, weight=10.0, decay=1.0, min_wait=1, max_wait=8)
+    assert repeats.wait == 8  # no gap seen yet
+    repeats.turn("a", sent=10, repeats=0)
+    for n in range(4):
+        repeats.turn(f"other{n}", sent=0, repeats=0)
+    assert repeats.rate == 10 / 15  # silent for 4 turns of a wait of 8: half its blocks count
+    for n in range(4, 8):
+        repeats.turn(f"other{n}", sent=0, repeats=0)
+    assert repeats.rate == 10 / 20  # past the wait: gone
+    repeats.turn("a", sent=0, repeats=5)  # back after all: its repeats count, its blocks not twice
+    assert repeats.rate == 15 / 20
+    with pytest.raises(ValueError):
+        Repeats(min_wait=10, max_wait=5)
+
+
+def test_the_wait_is_learnt_from_how_far_apart_a_conversations_turns_come() -> None:
+    repeats = Repeats(decay=1.0, patience=4.0, min_wait=2, max_wait=100)
+    for _ in range(3):
+        for name in "abc":  # three conversations, round-robin: a turn every 3 turns
+            repeats.turn(name, sent=1, repeats=0)
+    assert repeats.wait == 12
+    repeats.turn("z", sent=1, repeats=0)
+    for n in range(60):  # z is counted gone after 12 turns, then comes back after 61
+        repeats.turn(f"one-off{n}", sent=1, repeats=0)
+    repeats.turn("z", sent=1, repeats=0)
+    assert repeats.wait == int(4 * (6 * 3 + 61) / 7)  # a late return lengthens the wait
+
+
+def test_conversations_that_never_come_back_are_held_a_bounded_time() -> None:
+    repeats = Repeats(max_wait=64)
+    for n in range(5000):
+        repeats.turn(f"c{n}", sent=15, repeats=0)
+    assert len(repeats._pending) <= 64 and len(repeats._gone) <= 4 * 64
+    assert repeats.rate < 0.01
+
+
+def test_dropped_expired_and_failed_turns_settle_what_they_sent() -> None:
+    now = [0.0]
+    store = ConversationStore(ttl=10, max_conversations=2, clock=lambda: now[0])
+    store.repeats = Repeats(prior=1.0, weight=10.0, decay=1.0, min_wait=1000, max_wait=1000)
+    store.deduplicate("a", blocks(1, 2))
+    store.deduplicate("b", blocks(3, 4))
+    store.deduplicate("c", blocks(5, 6))  # "a" is dropped (two at most): gone
+    assert store.repeats.rate == pytest.approx(10 / 12, abs=1e-3)
+    store.forget_turn("c", 0)  # never reached the model: its blocks count for nothing
+    now[0] = 11.0
+    assert len(store) == 0  # "b" and "c" expired: "b" is gone
+    assert store.repeats.rate == 10 / 14

@@ -135,7 +135,7 @@ class ConversationStore:
         if conversation is None:
             conversation = self._conversations[dedup.conversation_id] = _Conversation()
             while len(self._conversations) > self.max_conversations:
-                self._conversations.popitem(last=False)
+                self.repeats.gone(self._conversations.popitem(last=False)[0])
         else:
             self._conversations.move_to_end(dedup.conversation_id)
         if conversation.turns != dedup.turn:
@@ -144,7 +144,7 @@ class ConversationStore:
             conversation.ambiguous.update(dedup.updated)
         turn, labelled = dedup.turn, dedup.labelled
         conversation.carrier.update({block.id: (turn, hash(block.text), labelled) for block in dedup.fresh})
-        self.repeats.observe(len(dedup.fresh), dedup.repeats)
+        self.repeats.turn(dedup.conversation_id, len(dedup.fresh), dedup.repeats)
 
         conversation.turns += 1
         conversation.last_used = self._clock()
@@ -180,10 +180,13 @@ class ConversationStore:
         carried = [block_id for block_id, (carrier, _, _) in conversation.carrier.items() if carrier == turn]
         for block_id in carried:
             del conversation.carrier[block_id]
+        if turn == conversation.turns - 1:  # its blocks were never sent: nothing to count
+            self.repeats.withdraw(conversation_id)
         return len(carried)
 
     def end(self, conversation_id: str) -> bool:
         """Forget a conversation; returns whether it was tracked."""
+        self.repeats.gone(conversation_id)
         return self._conversations.pop(conversation_id, None) is not None
 
     def _expire(self) -> None:
@@ -195,6 +198,7 @@ class ConversationStore:
             if oldest.last_used >= horizon:
                 break
             del self._conversations[oldest_id]
+            self.repeats.gone(oldest_id)
 
 
 LABEL_MARGIN = 3
@@ -205,30 +209,125 @@ sent again as the history of the turns that could refer to it, labels included."
 class Repeats:
     """How many times a block sent in full comes back in a later turn of its conversation
     that still keeps it (where a reference could replace it), per block sent in full, over
-    all conversations; recent turns weigh most (counts decay by ``decay`` a turn). Before
-    any traffic it assumes ``prior`` repeats a block (the paper's multi-turn setting), worth
-    ``weight`` blocks of evidence, which fades as turns come in: on traffic whose
-    conversations never come back to a block, labels soon stop being paid for. Not
-    thread-safe: the pilot's lock guards it."""
+    all conversations; recent turns weigh most (counts decay by ``decay`` a counted turn).
+    Before any traffic it assumes ``prior`` repeats a block (the paper's multi-turn
+    setting), worth ``weight`` blocks of evidence, which fades as turns come in.
 
-    __slots__ = ("_repeats", "_sent", "decay")
+    Censored, because a first turn's blocks cannot come back before its conversation does:
+    counted at once, 300 first turns arriving before any second one read as conversations
+    that never come back. A turn's blocks count in full once its conversation moves on (its
+    next turn shows what came back) or is gone (ended, expired, dropped, or silent for
+    ``wait`` turns of all conversations); until then as a share ``silent turns / wait``.
+    ``wait`` is ``patience`` times the usual gap between two turns of a conversation here,
+    within ``min_wait``..``max_wait`` (``max_wait`` before any gap is seen): where no
+    conversation comes back, short blocks (labels barely pay) stop being labelled within a
+    few dozen turns, long ones within ``max_wait``; the maps hold the conversations heard
+    from in the last ``patience * max_wait`` turns. Not thread-safe: the pilot's lock
+    guards it."""
 
-    def __init__(self, prior: float = 1.0, weight: float = 16.0, decay: float = 0.99) -> None:
+    __slots__ = ("_at", "_gap", "_gaps", "_gone", "_pending", "_repeats", "_sent", "_silent", "_turns", "decay",
+                 "max_wait", "min_wait", "patience")  # fmt: skip
+
+    def __init__(
+        self,
+        prior: float = 1.0,
+        weight: float = 16.0,
+        decay: float = 0.99,
+        patience: float = 4.0,
+        min_wait: int = 16,
+        max_wait: int = 256,
+    ) -> None:
         if prior < 0 or weight < 0 or not 0.0 < decay <= 1.0:
             raise ValueError("prior and weight must be at least 0, decay in (0, 1]")
+        if patience <= 0 or not 1 <= min_wait <= max_wait:
+            raise ValueError("patience must be above 0, and 1 <= min_wait <= max_wait")
         self.decay = decay
+        self.patience = patience
+        self.min_wait = min_wait
+        self.max_wait = max_wait
         self._sent = weight
         self._repeats = prior * weight
+        self._turns = 0  # turns heard, over all conversations: the clock of the waits
+        # conversation -> (its last turn's clock, blocks that turn sent in full), oldest first
+        self._pending: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._silent = 0  # blocks the pending turns sent
+        self._at = 0  # the same, each times its turn's clock (with ``_silent``: their summed age)
+        self._gone: OrderedDict[str, int] = OrderedDict()  # counted gone by the wait: its last turn's clock
+        self._gaps = self._gap = 0.0  # decayed count and sum of the gaps seen
 
     def observe(self, sent: int, repeats: int) -> None:
-        """One turn: ``sent`` blocks in full, ``repeats`` blocks a kept earlier turn sent."""
+        """Count ``sent`` blocks in full whose conversations moved on or are gone, and
+        ``repeats`` blocks a kept earlier turn had sent."""
         self._sent = self._sent * self.decay + sent
         self._repeats = self._repeats * self.decay + repeats
+
+    def turn(self, conversation_id: str, sent: int, repeats: int) -> None:
+        """A conversation's turn: ``sent`` blocks in full (counted once it moves on or is
+        gone), ``repeats`` blocks a kept earlier turn sent (counted now)."""
+        self._turns += 1
+        last = self._settle(conversation_id)
+        if last is not None:  # it moved on: what its last turn sent is now known
+            self._learn_gap(self._turns - last[0])
+            self.observe(last[1], repeats)
+        else:
+            before = self._gone.pop(conversation_id, None)
+            if before is not None:  # back after the wait: the gaps are longer than thought
+                self._learn_gap(self._turns - before)
+            if repeats:
+                self.observe(0, repeats)
+        self._pending[conversation_id] = (self._turns, sent)
+        self._silent += sent
+        self._at += sent * self._turns
+        self._expire()
+
+    def gone(self, conversation_id: str) -> None:
+        """The conversation ended (or was dropped): what its last turn sent is now known."""
+        last = self._settle(conversation_id)
+        self._gone.pop(conversation_id, None)
+        if last is not None:
+            self.observe(last[1], 0)
+
+    def withdraw(self, conversation_id: str) -> None:
+        """The conversation's last turn never reached the model: what it sent counts for nothing."""
+        self._settle(conversation_id)
+
+    @property
+    def wait(self) -> int:
+        """Turns of other conversations after which a silent one counts as gone."""
+        if not self._gaps:
+            return self.max_wait
+        return int(min(self.max_wait, max(self.min_wait, self.patience * self._gap / self._gaps)))
 
     @property
     def rate(self) -> float:
         """Later repeats expected per block sent in full."""
-        return self._repeats / self._sent if self._sent > 0 else 0.0
+        sent = self._sent + (self._turns * self._silent - self._at) / self.wait
+        return self._repeats / sent if sent > 0 else 0.0
+
+    def _settle(self, conversation_id: str) -> tuple[int, int] | None:
+        last = self._pending.pop(conversation_id, None)
+        if last is not None:
+            self._silent -= last[1]
+            self._at -= last[1] * last[0]
+        return last
+
+    def _learn_gap(self, gap: int) -> None:
+        self._gaps = self._gaps * self.decay + 1
+        self._gap = self._gap * self.decay + gap
+
+    def _expire(self) -> None:
+        now, pending, gone = self._turns, self._pending, self._gone
+        horizon = now - self.wait
+        while pending:
+            conversation_id, (at, sent) = next(iter(pending.items()))
+            if at > horizon:
+                break
+            self._settle(conversation_id)
+            self.observe(sent, 0)
+            gone[conversation_id] = at
+        horizon = now - int(self.patience * self.max_wait)
+        while gone and next(iter(gone.values())) < horizon:
+            gone.popitem(last=False)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -18,7 +18,13 @@ from contextpilot_integrations.core.gain import label_tokens
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
-from contextpilot_integrations.whatif.trace import check_conversations, estimate_tokens, load_trace, working_set_tokens
+from contextpilot_integrations.whatif.trace import (
+    check_conversations,
+    estimate_tokens,
+    load_trace,
+    turns_in_order,
+    working_set_tokens,
+)
 
 
 def test_the_same_seed_gives_the_same_trace_and_another_seed_another() -> None:
@@ -186,14 +192,21 @@ def test_chat_never_loses_on_a_named_family(name: str, fraction: float) -> None:
     assert ours <= without, f"{name} chat at {fraction:.0%}: {ours:,} > {without:,}"
 
 
-def test_conversations_that_never_come_back_cost_at_most_the_first_turns_labels() -> None:
+def test_conversations_that_never_come_back_cost_at_most_the_labels_sent_before_they_show_it() -> None:
     """The residual of the prior (:class:`~contextpilot_integrations.core.conversations.Repeats`):
-    a fresh pilot labels the first turns for the references multi-turn conversations bring;
-    where none come (two-turn conversations sharing nothing, a 1% cache that keeps nothing),
-    that costs at most the labels of the first 16 turns, sent and resent as history."""
+    a fresh pilot labels turns for the references multi-turn conversations bring; where none
+    come (two-turn conversations sharing nothing, a 1% cache that keeps nothing), that costs
+    at most the labels of the turns sent until 32 turns came back to show it (the prior is
+    worth 16 blocks, a turn that comes back counts its conversation's last turn, and a turn
+    counts only once its conversation could have come back), sent and resent as history."""
     trace = generate(replace(FAMILIES["passages"], requests=120, turns=(2, 2), locality=0.0), seed=0)
     without, ours = _prefill(trace, "chat", 0.01)
-    firsts = [r for r in trace if r.turn == 0][:16]
+    conversations = [turns for _, turns in turns_in_order(trace)]
+    chat = [
+        turns[depth] for depth in range(max(map(len, conversations))) for turns in conversations if depth < len(turns)
+    ]
+    returns = [n for n, index in enumerate(chat) if trace[index].turn][:32]
     pilot = ContextPilot()
-    bound = 2 * sum(label_tokens([Block(id=b, text=b) for b in r.blocks], pilot.templates) for r in firsts)
+    sent = [trace[index] for index in chat[: returns[-1] + 1]]
+    bound = 2 * sum(label_tokens([Block(id=b, text=b) for b in r.blocks], pilot.templates) for r in sent)
     assert ours - without <= bound, (ours - without, bound)
