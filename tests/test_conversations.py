@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.core.conversations import ConversationStore, Repeats
@@ -214,3 +216,31 @@ def test_dropped_expired_and_failed_turns_settle_what_they_sent() -> None:
     now[0] = 11.0
     assert len(store) == 0  # "b" and "c" expired: "b" is gone
     assert store.repeats.rate == 10 / 14
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["turn", "turn", "turn", "gone", "withdraw"]), st.integers(0, 40), st.integers(0, 20)
+        ),
+        max_size=300,
+    )
+)
+def test_the_censored_counts_stay_bounded_and_add_up(steps: list[tuple[str, int, int]]) -> None:
+    """Whatever the turns, ends and failed turns: the maps stay within their bounds and the
+    running sums behind the silent share match the conversations still waiting."""
+    repeats = Repeats(min_wait=2, max_wait=16)
+    for action, who, sent in steps:
+        name = f"c{who}"
+        if action == "turn":
+            repeats.turn(name, sent, sent // 2)
+        elif action == "gone":
+            repeats.gone(name)
+        else:
+            repeats.withdraw(name)
+        pending = repeats._pending.values()
+        assert len(repeats._pending) <= repeats.wait <= repeats.max_wait
+        assert len(repeats._gone) <= repeats.patience * repeats.max_wait + 1
+        assert repeats._silent == sum(s for _, s in pending) and repeats._at == sum(s * at for at, s in pending)
+        assert repeats.rate >= 0
