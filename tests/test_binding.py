@@ -199,3 +199,34 @@ def test_invariant_breaches_reads_anthropic_bodies_too() -> None:
     referred = {"role": "user", "content": [{"type": "tool_result", "content": render_reference(block)}]}
     assert invariant_breaches([{**in_system, "messages": [referred]}]) == []
     assert invariant_breaches([{"messages": [referred]}]) == ["reference to [7] without its text"]
+
+
+def test_invariant_breaches_reads_bedrock_and_gemini_bodies_too() -> None:
+    """The shapes boto3 (Converse) and google-genai send: a reference in a tool's result is
+    audited there too, and a block in Gemini's system instruction carries its text."""
+    block = Block(id="7", text="seven")
+    bedrock = {
+        "system": [{"text": "Answer."}, {"cachePoint": {"type": "default"}}],
+        "messages": [
+            {"role": "user", "content": [{"text": render_block(block)}]},
+            {"role": "user", "content": [{"toolResult": {"toolUseId": "t", "content": [{"text": "r"}]}}]},
+        ],
+    }
+    assert message_texts(bedrock) == ["Answer.", "", render_block(block), "r"]
+    bedrock_referred = {
+        "messages": [{"role": "user", "content": [{"toolResult": {"content": [{"text": render_reference(block)}]}}]}]
+    }
+    assert invariant_breaches([bedrock_referred]) == ["reference to [7] without its text"]
+    gemini = {
+        "systemInstruction": {"parts": [{"text": render_block(block)}]},
+        "contents": [
+            {"role": "model", "parts": [{"functionCall": {"name": "search", "args": {}}}]},
+            {
+                "role": "user",
+                "parts": [{"functionResponse": {"name": "search", "response": {"output": render_reference(block)}}}],
+            },
+        ],
+    }
+    assert message_texts(gemini) == [render_block(block), "", render_reference(block)]
+    assert invariant_breaches([gemini]) == []
+    assert invariant_breaches([{"contents": gemini["contents"]}]) == ["reference to [7] without its text"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ..errors import BlockTypeError
 
@@ -15,6 +16,7 @@ __all__ = [
     "check_kept_turns",
     "check_query",
     "check_request_id",
+    "retries_resend_ids",
     "unknown_argument",
 ]
 
@@ -77,3 +79,20 @@ def unknown_argument(owner: str, name: str, known: Sequence[str], pilot_hint: st
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
     return f"{owner} got an unknown argument {name!r}{hint}"
+
+
+def retries_resend_ids(owner: str, engine: str, llm: Any, retry_hint: str) -> str | None:
+    """Why ``owner``, sending ``engine``'s request ids in the body, refuses ``llm``: a model
+    that retries inside a call (``max_retries`` not 0; ``None`` is its SDK's default) sends
+    the same id again, and an engine that may still run the first attempt (a time-out)
+    refuses it (SGLang: "Duplicate request ID"). ``None`` when each id goes out once;
+    ``retry_hint``: how to retry instead (a retry takes the request again under a new id)."""
+    retries = getattr(llm, "max_retries", 0)
+    if retries == 0:
+        return None
+    said = "its SDK's default" if retries is None else str(retries)
+    return (
+        f"{owner}(engine={engine!r}) sends each request id once, but {type(llm).__name__} retries inside "
+        f"a call (max_retries={said}) and would send it again, which the engine refuses: "
+        f"build it with max_retries=0 and {retry_hint}"
+    )

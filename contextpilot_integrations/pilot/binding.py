@@ -213,11 +213,17 @@ def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEM
 
 def message_texts(body: Mapping[str, Any]) -> list[str]:
     """The texts of a chat request body, in order: an OpenAI-style body's messages (the text
-    parts of a message whose content is a list of parts), and Anthropic's shape too (its
-    top-level ``system``, and the text inside ``tool_result`` blocks)."""
+    parts of a message whose content is a list of parts), Anthropic's and Bedrock's shapes
+    too (a top-level ``system``, the text inside ``tool_result`` / ``toolResult`` blocks),
+    and Gemini's (``systemInstruction`` and ``contents``, each of ``parts``; a
+    ``functionResponse``'s text values)."""
     texts = _part_texts(body.get("system"))
     for message in body.get("messages") or ():
         texts += _part_texts(message.get("content"))
+    instruction = body.get("systemInstruction") or body.get("system_instruction")
+    for content in [instruction, *(body.get("contents") or ())]:
+        if isinstance(content, Mapping):
+            texts += _part_texts(content.get("parts"))
     return texts
 
 
@@ -226,11 +232,23 @@ def _part_texts(content: Any) -> list[str]:
         return [content]
     texts: list[str] = []
     for part in content if isinstance(content, list) else ():
-        if not isinstance(part, Mapping):
-            continue
-        inner = part.get("content") if part.get("type") == "tool_result" else None
-        texts += _part_texts(inner) if inner is not None else [part.get("text", "")]
+        if isinstance(part, Mapping):
+            inner = _inner_content(part)
+            texts += _part_texts(inner) if inner is not None else [part.get("text", "")]
     return texts
+
+
+def _inner_content(part: Mapping[str, Any]) -> Any:
+    """What a tool's result part holds (Anthropic, Bedrock, Gemini); ``None`` for other parts."""
+    if part.get("type") == "tool_result":
+        return part.get("content")
+    result = part.get("toolResult")
+    if isinstance(result, Mapping):
+        return result.get("content")
+    response = part.get("functionResponse")
+    if isinstance(response, Mapping) and isinstance(response.get("response"), Mapping):
+        return [{"text": value} for value in response["response"].values() if isinstance(value, str)]
+    return None
 
 
 def invariant_breaches(bodies: Iterable[Mapping[str, Any]], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:

@@ -22,8 +22,17 @@ class Bodies:
         self._lock = threading.Lock()
 
     def add(self, request: httpx.Request) -> None:
-        with self._lock:
-            self.sent.append(json.loads(request.content))
+        self.keep(request.content)
+
+    def keep(self, content: bytes | str) -> None:
+        """Keep ``content`` if it is a JSON object (a chat body); anything else is no body to audit."""
+        try:
+            body = json.loads(content)
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to be a chat body
+            return
+        if isinstance(body, dict):
+            with self._lock:
+                self.sent.append(body)
 
     async def record(self, request: httpx.Request) -> None:
         self.add(request)

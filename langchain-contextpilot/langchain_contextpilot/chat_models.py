@@ -24,7 +24,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from contextpilot_integrations.core.validation import unknown_argument
+from contextpilot_integrations.core.validation import retries_resend_ids, unknown_argument
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
@@ -226,8 +226,9 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
       retriever, compressor or LCEL step of this package), through LangChain's run tree;
     - a location reference whose text is not in the messages sent is replaced by that text
       (counted in ``pilot.stats().references_restored``): a dangling reference never leaves;
-    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm``) the request id
-      goes out in the body (``rid`` / ``request_id``);
+    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm`` built with
+      ``max_retries=0``: an SDK retry would send the id again) the request id goes out in
+      the body (``rid`` / ``request_id``);
     - the provider's cached-token report (``usage_metadata["input_token_details"]
       ["cache_read"]``) goes back to the request's pilot, and a failed call makes the
       pilot forget the request (a retry takes it again, under a new id).
@@ -276,6 +277,11 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
             )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "extra_body"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
+        resent = wire.REQUEST_ID_FIELDS.get(self.engine or "") and retries_resend_ids(
+            type(self).__name__, str(self.engine), self.llm, "retry with .with_retry()"
+        )
+        if resent:
+            raise ValueError(resent)
         if self.engine is not None and self.engine not in wire.REQUEST_ID_FIELDS:
             raise ValueError(f"engine must be one of {sorted(wire.REQUEST_ID_FIELDS)} or None, got {self.engine!r}")
         return self

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from contextpilot_integrations.testing.audit import audited_bodies  # noqa: F401  (autouse: audits every body sent)
 from contextpilot_integrations.testing.llama_server import LlamaServer, tiny_llama_server, tiny_llama_servers
 
 

@@ -15,6 +15,7 @@ from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.llms import MockLLM
 from llama_index.core.schema import TextNode
 
+from contextpilot_integrations.testing.audit import audited_bodies  # noqa: F401  (autouse: audits every body sent)
 from contextpilot_integrations.testing.llama_server import LlamaServer, tiny_llama_server, tiny_llama_servers
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
 

@@ -144,6 +144,17 @@ def test_a_timed_out_call_is_not_resent_under_its_id(index: VectorStoreIndex, ll
     assert len(set(recorder.ids())) == 2 and pilot.stats().engine_requests == 1
 
 
+def test_a_wrapped_llm_that_retries_inside_a_call_is_refused_where_it_would_resend_the_id() -> None:
+    """OpenAILike retries a failed call (max_retries=3 by default) with the same body, request
+    id and all, and an engine still running the first attempt refuses it."""
+    retrying = OpenAILike(model="tiny", api_base="http://127.0.0.1:9/v1", api_key="x", is_chat_model=True)
+    with pytest.raises(ValueError, match=r"OpenAILike retries inside a call \(max_retries=3\).* max_retries=0"):
+        ContextPilotLLM(llm=retrying, engine="sglang")
+    assert ContextPilotLLM(llm=retrying).engine is None  # no id in the body: its retries are its own
+    once = OpenAILike(model="tiny", api_base="http://127.0.0.1:9/v1", api_key="x", is_chat_model=True, max_retries=0)
+    assert ContextPilotLLM(llm=once, engine="vllm").llm is once
+
+
 def test_router_path_under_fifty_threads(index: VectorStoreIndex, replicas: list[LlamaServer]) -> None:
     router = Router([Target(f"r{n}", server.url, engine="sglang") for n, server in enumerate(replicas)])
     recorder = Recorder()
@@ -177,7 +188,13 @@ def test_two_pilots_one_llm(index: VectorStoreIndex, llama: LlamaServer) -> None
 def test_wrapped_openai_like_reports_cached_tokens(index: VectorStoreIndex, llama: LlamaServer) -> None:
     pilot, recorder = ContextPilot(), Recorder()
     inner = OpenAILike(
-        model="tiny", api_base=llama.url + "/v1", api_key="x", max_tokens=1, is_chat_model=True, **recorder.clients()
+        model="tiny",
+        api_base=llama.url + "/v1",
+        api_key="x",
+        max_tokens=1,
+        is_chat_model=True,
+        max_retries=0,
+        **recorder.clients(),
     )
     llm = ContextPilotLLM(llm=inner, engine="sglang")
     engine = index.as_query_engine(

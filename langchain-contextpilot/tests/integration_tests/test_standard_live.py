@@ -18,6 +18,7 @@ from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.llama_server import LlamaServer
@@ -79,7 +80,17 @@ class TestWrappedChatOpenAILive(_TinyModel, ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        llm = ChatOpenAI(model="tiny", base_url=_SERVER["url"], api_key="x", temperature=0, max_tokens=8, timeout=600)
+        # each id sent once (max_retries=0), so each test's event loop needs its own connections
+        llm = ChatOpenAI(
+            model="tiny",
+            base_url=_SERVER["url"],
+            api_key="x",
+            temperature=0,
+            max_tokens=8,
+            timeout=600,
+            max_retries=0,
+            http_async_client=loop_local_async_client(),
+        )
         return {"llm": llm, "engine": "sglang"}
 
 

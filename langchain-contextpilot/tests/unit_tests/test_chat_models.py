@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from langchain_openai import ChatOpenAI
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.pilot.binding import Binding
-from langchain_contextpilot import ChatSGLang
+from langchain_contextpilot import ChatSGLang, ContextPilotChatModel
 from langchain_contextpilot._model_calls import with_ids
 
 
@@ -41,3 +42,17 @@ def test_no_api_key_is_needed_and_none_is_borrowed(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("SGLANG_API_KEY", "from-env")
     assert ChatSGLang(model="tiny").openai_api_key.get_secret_value() == "from-env"
     assert ChatSGLang(model="tiny", api_key="mine").openai_api_key.get_secret_value() == "mine"
+
+
+@pytest.mark.parametrize("retries", [None, 2])
+def test_a_model_retrying_inside_a_call_is_refused_where_it_would_resend_the_id(retries: int | None) -> None:
+    """An SDK retry sends the same body, request id and all (the audit saw it: a stale
+    connection retried by ChatOpenAI's default client), and an engine still running the
+    first attempt (a time-out) refuses it (SGLang: "Duplicate request ID")."""
+    url = "http://127.0.0.1:9/v1"
+    retrying = ChatOpenAI(model="tiny", base_url=url, api_key="x", max_retries=retries)
+    with pytest.raises(ValueError, match=r"ChatOpenAI retries inside a call .* max_retries=0 and retry with"):
+        ContextPilotChatModel(llm=retrying, engine="sglang")
+    assert ContextPilotChatModel(llm=retrying).engine is None  # no id in the body: its retries are its own
+    once = ChatOpenAI(model="tiny", base_url=url, api_key="x", max_retries=0)
+    assert ContextPilotChatModel(llm=once, engine="vllm").llm is once

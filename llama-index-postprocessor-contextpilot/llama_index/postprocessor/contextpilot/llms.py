@@ -27,7 +27,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import LLM
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.core.validation import unknown_argument
+from contextpilot_integrations.core.validation import retries_resend_ids, unknown_argument
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
@@ -116,7 +116,8 @@ class ContextPilotLLM(_Reports, LLM):
       one ``ContextPilotChatEngine`` names;
     - a location reference whose text is not in the messages sent is replaced by that text
       (``pilot.stats().references_restored``);
-    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm``) the request id
+    - with ``engine="sglang"`` / ``"vllm"`` (an OpenAI-compatible ``llm`` built with
+      ``max_retries=0``: a retry inside the call would send the id again) the request id
       goes out in the body;
     - the provider's cached tokens (OpenAI ``prompt_tokens_details.cached_tokens``,
       Anthropic ``cache_read_input_tokens``) go back to the request's pilot and into
@@ -152,6 +153,11 @@ class ContextPilotLLM(_Reports, LLM):
             )
         if wire.REQUEST_ID_FIELDS.get(self.engine or "") and not hasattr(self.llm, "additional_kwargs"):
             raise ValueError(f"engine={self.engine!r} sends the request id in the body: llm must be OpenAI-compatible")
+        resent = wire.REQUEST_ID_FIELDS.get(self.engine or "") and retries_resend_ids(
+            type(self).__name__, str(self.engine), self.llm, "retry the query or chat turn"
+        )
+        if resent:
+            raise ValueError(resent)
         span_binder()
 
     @classmethod
