@@ -64,8 +64,16 @@ class ContextPilot:
             the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
             restated by label). A conversation labels its blocks only where later turns are expected
             to refer to them for more than the labels cost (:mod:`contextpilot_integrations.core.conversations`).
-        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
-            annotation are weighed in the blocks' units; default: four characters a token, rounded up.
+        token_counter: counts the tokens of a text (the engine's tokenizer, e.g.
+            :class:`~contextpilot_integrations.engines.EngineTokenCounter`), so blocks without
+            ``tokens``, labels and the annotation are all weighed in the engine's units (counted
+            before the lock is taken, remembered per text: :mod:`contextpilot_integrations.core.units`);
+            default: four characters a token.
+        page_tokens: the engine's page (SGLang ``--page-size``, vLLM ``--block-size``) in the
+            counter's units: an engine reuses whole pages only, so a send other than retrieval
+            order's must win by more than page rounding can take (:func:`~.core.gain.choose_order`).
+            Default: unknown (learned from the engine's KV events where a :class:`~.engines.KvEventSink`
+            hears them).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -84,16 +92,20 @@ class ContextPilot:
         plain_prompts: bool = True,
         order_form: Form = "positions",
         token_counter: TokenCounter | None = None,
+        page_tokens: int | None = None,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
             raise ValueError("max_live_requests must be at least 1")
         if cache_tokens is not None:
             check_count("cache_tokens", cache_tokens)
+        if page_tokens is not None:
+            check_count("page_tokens", page_tokens)
         if order_form not in FORMS:
             raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
         self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
         self.token_counter: TokenCounter = token_counter or estimate_tokens
+        self.page_tokens = page_tokens
         self.templates, self.annotate_order = templates or DEFAULT_TEMPLATES, annotate_order
         self.max_live_requests = max_live_requests
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
@@ -184,6 +196,7 @@ class ContextPilot:
         Returns how many of the ids were live."""
         ids = checked_ids(request_ids)
         with self._lock:
+            self._state.hears_evictions = True
             return self._state.evict(ids)
 
     def truncate(self, request_id: str, cached_blocks: int) -> bool:
@@ -191,6 +204,7 @@ class ContextPilot:
         its order is remembered, so :meth:`restore` can bring it back). Returns whether it was live."""
         check_count("cached_blocks", cached_blocks)
         with self._lock:
+            self._state.hears_evictions = True
             return self._state.truncate(request_id, cached_blocks)
 
     def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
@@ -240,6 +254,8 @@ class ContextPilot:
             check_token_count("cache_write_tokens", cache_write_tokens)
         with self._lock:
             self._reports.record_usage(prepared, prompt_tokens, cached_tokens, cache_write_tokens)
+            if self.cache_tokens is not None and prompt_tokens is not None and cached_tokens is not None:
+                self._state.hold(prepared.request_id, prompt_tokens - cached_tokens, self.cache_tokens)
 
     def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
         """Add a hosted API's usage (see :func:`~.providers.read_provider_usage`): prompt
