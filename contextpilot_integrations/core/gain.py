@@ -239,6 +239,7 @@ def choose_order(
     retrieval_chance: Chance | None = None,
     prompt_tokens: int = 0,
     labelled: tuple[Sequence[str], int] | None = None,
+    follow_cost: int = 0,
 ) -> Choice:
     """The send that pays best; ties go to the one that changes less.
 
@@ -256,10 +257,7 @@ def choose_order(
             labelled (True) or as text alone (False).
         chance: that a later request carries a block right after another
             (:meth:`Cooccurrence.chance`, or sure for a batch partner).
-        annotation_cost: tokens of the order annotation, if reordered; later reuse counts
-            net of as much (a later request that lines up with this prefix is most often
-            reordered too, and pays its own annotation: a pair that each pay one to share a
-            prefix shorter than both cost the engine more).
+        annotation_cost: tokens of the order annotation, if reordered.
         label_cost: tokens the labels add to the request.
         cache_tokens: the engine's cache size in tokens, if known.
         page_tokens: the engine's page in tokens (1: unknown); see :func:`page_margin`.
@@ -274,6 +272,12 @@ def choose_order(
         labelled: in the one-text forms, (an order onto a labelled prefix the index holds,
             its labels' and label-annotation's tokens): a candidate too, where a
             conversation left labelled blocks cached.
+        follow_cost: what a later request pays to line up with this one's prefix (about
+            this one's annotation: it is most often reordered too), taken from the later
+            reuse where no score keeps the bets honest (partners in a batch sent in order:
+            a pair that each pay an annotation to share a prefix shorter than both costs
+            the engine more). Online the score (:class:`Balance`) charges it when the
+            follower goes out.
     """
     size = sum(tokens[key] for key in retrieval) + prompt_tokens
     bets = budget > 0
@@ -286,7 +290,7 @@ def choose_order(
         cached = matched(order, labelled)
         now = sum(tokens[key] for key in order[:cached])
         value = kept * leading_reuse(order, tokens, cached, ahead if ahead and fits and bets else _never)
-        value -= min(max(value - kept * now, 0.0), annotation_cost)  # what a follower pays to line up
+        value -= min(max(value - kept * now, 0.0), follow_cost)  # what the follower pays to line up
         risk = margin if candidates else 0  # every send but the first (the retriever's order, as it goes out)
         candidates.append((value - cost - risk, kept * now - cost - risk, now, Choice(list(order), labelled, fits)))
 

@@ -94,13 +94,19 @@ class TokenUnits:
         """The blocks, each without a given token count counted in these units."""
         return [block if block.tokens is not None else block.counted(max(1, self(block.text))) for block in blocks]
 
-    def request(self, blocks: Sequence[Block], question: str, templates: Templates) -> None:
+    def request(self, blocks: Sequence[Block], question: str, templates: Templates, labels: bool) -> None:
         """Count, off the lock, the pieces a request's decision weighs besides its blocks:
-        each block's label, reference and place in a labelled ranking, the question line,
-        and the annotation's frame and position items (see :func:`.gain.annotation_tokens`)."""
-        texts = [templates.question.format(query=question), templates.order_joiner]
-        texts += [templates.position_order.format(order=""), templates.order.format(order="")]
+        the question line, the annotation's frame and position items (see
+        :func:`.gain.annotation_tokens`), and where labels may be weighed (``labels``: a
+        conversation, the paper's form, a labelled prefix cached) each block's label,
+        reference and place in a labelled ranking."""
+        texts = [templates.question.format(query=question), templates.order_joiner, templates.moved_joiner]
+        texts += [templates.position_order.format(order=""), templates.moved_order.format(order="")]
         texts += [templates.position_item.format(position=p) for p in range(1, len(blocks) + 1)]
+        if not labels:
+            self.prefetch(texts)
+            return
+        texts.append(templates.order.format(order=""))
         for block in blocks:
             label = block.label
             texts.append(templates.block.format(label=label, text=""))

@@ -130,14 +130,17 @@ class Planner:
         units = self.units
         return estimate_tokens if units is None else units.known
 
-    def counted(self, blocks: list[Block], query: str) -> list[Block]:
+    def counted(self, blocks: list[Block], query: str, conversation_id: str | None) -> list[Block]:
         """Off the lock: blocks without a given count counted with the pilot's counter, and
-        the pieces their decision weighs (labels, question, annotation items) with them."""
+        the pieces their decision weighs (question, annotation items; labels where they may
+        be weighed) with them. A piece missed here is estimated under the lock
+        (:meth:`.TokenUnits.known`)."""
         units = self.units
         if units is None:
             return blocks
         blocks = units.blocks(blocks)
-        units.request(blocks, query, self.templates)
+        labels = conversation_id is not None or self.order_form == "labels" or not self.plain_prompts
+        units.request(blocks, query, self.templates, labels or self.outlook.labelled_sends > 0)
         return blocks
 
     @property
@@ -158,7 +161,7 @@ class Planner:
         check_query(query)
         check_conversation_id(conversation_id)
         kept = check_kept_turns(kept_turns)
-        normalized = self.counted(normalized, query)
+        normalized = self.counted(normalized, query, conversation_id)
         with lock:
             return self.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
 
@@ -319,6 +322,7 @@ class Planner:
             retrieval_chance=self.outlook.cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
             labelled=labelled,
+            follow_cost=annotation if chance is not None and not concurrent else 0,
         )
 
     def plan(
@@ -357,7 +361,8 @@ class Planner:
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request #{index}: {exc}") from exc
         normalized = [
-            (self.counted(blocks, item.query), merged) for item, (blocks, merged) in zip(items, normalized, strict=True)
+            (self.counted(blocks, item.query, item.conversation_id), merged)
+            for item, (blocks, merged) in zip(items, normalized, strict=True)
         ]
         with lock:
             ids = []

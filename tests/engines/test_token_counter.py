@@ -3,13 +3,14 @@ llama-server's ``/tokenize``, and clear errors where no engine answers."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.engines import EngineTokenCounter
+from contextpilot_integrations.engines import EngineTokenCounter, EvictionListener
 from contextpilot_integrations.errors import EngineUnavailable
 from tests.engine_support import free_port, start_llama_server
 
@@ -37,3 +38,16 @@ def test_no_engine_is_a_clear_error_and_the_request_is_not_recorded() -> None:
     with pytest.raises(EngineUnavailable, match="not reachable"):
         pilot.prepare([Block(id="a", text=TEXT)], "q")
     assert pilot.stats().live_requests == 0
+
+
+@pytest.mark.parametrize("given", [None, 32])
+def test_the_engines_events_teach_the_pilot_its_page(given: int | None) -> None:
+    """A stored block of 16 tokens over real HTTP: a pilot without a page learns 16, one
+    given a page keeps it."""
+    pilot = ContextPilot(page_tokens=given)
+    event = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "block_size": 16}
+    batch = {"seq": 0, "publisher": "p", "ts": time.time(), "events": [{**event, "token_ids": list(range(16))}]}
+    with EvictionListener(pilot, token="s3cret") as listener:
+        answer = httpx.post(listener.kv_events_url, json=batch, headers={"X-ContextPilot-Token": "s3cret"})
+        assert answer.status_code < 300, answer.text
+    assert pilot.page_tokens == (given or 16)
