@@ -219,11 +219,6 @@ class Planner:
             self.outlook.labelled_sends += labels
             if choice.cached:
                 cached_blocks = self.state.record(rid, indexed, sent)
-                if self.cache_tokens is not None:  # till the engine reports: the blocks it computes, the question
-                    added = sum(block.token_count for block in sent[cached_blocks:])
-                    self.state.hold(
-                        rid, added + self.token_counter(self.templates.question.format(query=query)), self.cache_tokens
-                    )
             else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
                 cached_blocks = self.state.trie.match_length(indexed)
                 self.state.strategy.forget(rid)

@@ -108,13 +108,13 @@ class EngineState:
             self.strategy.order(rid, order)  # the paper's tree learns the request
 
     def hold(self, rid: str, tokens: int, capacity: int | None) -> None:
-        """Live request ``rid`` added ``tokens`` to the engine's cache (what it computed: an
-        estimate when it is sent, the engine's prompt less cached tokens once reported).
-        With the cache's size known, the oldest requests are forgotten while the live ones
-        hold more than it: the engine evicts least recently used first, so a prediction
-        the engine has already dropped does not buy a failed reorder. (A prefix that a
-        newer request reused stays predicted through it.) Once the engine's own evictions reach
-        the pilot (:attr:`hears_evictions`), they are followed instead."""
+        """Live request ``rid`` added ``tokens`` to the engine's cache (what it computed, as
+        the engine reported: its prompt less its cached tokens). With the cache's size known,
+        the oldest requests are forgotten while the live ones hold more than it: the engine
+        evicts least recently used first, so a prediction it has already dropped does not buy
+        a failed reorder (a prefix a newer request reused stays predicted through that one).
+        Once the engine's own evictions reach the pilot (:attr:`hears_evictions`), they are
+        followed instead."""
         if rid not in self.live:
             return
         self.held_tokens += tokens - self.footprints.get(rid, 0)
