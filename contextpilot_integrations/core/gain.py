@@ -290,9 +290,11 @@ def choose_order(
         cached = matched(order, labelled)
         now = sum(tokens[key] for key in order[:cached])
         value = kept * leading_reuse(order, tokens, cached, ahead if ahead and fits and bets else _never)
-        value -= min(max(value - kept * now, 0.0), follow_cost)  # what the follower pays to line up
-        risk = margin if candidates else 0  # every send but the first (the retriever's order, as it goes out)
-        candidates.append((value - cost - risk, kept * now - cost - risk, now, Choice(list(order), labelled, fits)))
+        if follow_cost and value > kept * now:  # what the follower pays to line up
+            value -= min(value - kept * now, follow_cost)
+        if margin and candidates:  # every send but the first (the retriever's order, as it goes out)
+            cost += margin
+        candidates.append((value - cost, kept * now - cost, now, Choice(list(order), labelled, fits)))
 
     if plain_ok:  # as without ContextPilot
         add(retrieval, False, (retrieval_chance or chance) if one_text else None, 0)
