@@ -375,6 +375,19 @@ def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: st
     return shape
 
 
+def _slots_shape(url: str) -> CacheShape | None:
+    """llama-server's KV cache: its slots' context (``/props``: ``n_ctx`` a slot, ``total_slots``),
+    in pages of one token; ``None`` if it does not say. A slot keeps its last prompt only, so
+    this is the most it can hold, not what it keeps."""
+    try:
+        props = httpx.get(url.rstrip("/") + "/props", timeout=30).json()
+        context = int(props["default_generation_settings"]["n_ctx"])
+        slots = int(props.get("total_slots") or 1)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return CacheShape(1, context * slots) if context > 0 and slots > 0 else None
+
+
 def _warm_up(url: str, model: str) -> None:
     body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "warm up"}]}
     with suppress(httpx.HTTPError):  # the comparison's own requests will say what is wrong
@@ -406,9 +419,12 @@ class _Workloads:
         """The pilot as a user who knows the engine sets it up: the engine's tokenizer
         (every block, label and annotation in its tokens), and where the engine says them
         (SGLang, vLLM; read once, before the first pass) its KV pool and page size, so the
-        index forgets what the pool cannot hold and no reorder is bet on less than a page."""
-        if server.kind in FLUSH_PATHS and server.kind not in self._shapes:
-            self._shapes[server.kind] = cache_shape(url, server.kind)
+        index forgets what the pool cannot hold and no reorder is bet on less than a page;
+        llama-server's slots' context (``/props``), pages of one token."""
+        if server.kind not in self._shapes:
+            self._shapes[server.kind] = cache_shape(url, server.kind) if server.kind in FLUSH_PATHS else None
+            if server.kind == "llamacpp":
+                self._shapes[server.kind] = _slots_shape(url)
         shape = self._shapes.get(server.kind)
         if shape is None:
             return ContextPilot(token_counter=counter)
