@@ -134,7 +134,9 @@ class EngineState:
         self.held_tokens -= self.footprints.pop(rid, 0)
 
     # ---- the engine dropped or got back blocks -------------------------------------------------
-    def evict(self, request_ids: list[str]) -> int:
+    def evict(self, request_ids: list[str], heard: bool = False) -> int:
+        """``heard``: the engine's own eviction (events, a simulator), not the pilot's inference."""
+        self.hears_evictions |= heard
         evicted = 0
         for rid in request_ids:
             self.orders.pop(rid, None)
@@ -148,7 +150,8 @@ class EngineState:
             self.notify("evicted", tuple(request_ids))
         return evicted
 
-    def truncate(self, request_id: str, cached_blocks: int) -> bool:
+    def truncate(self, request_id: str, cached_blocks: int, heard: bool = False) -> bool:
+        self.hears_evictions |= heard
         if self.observers:
             self.notify("truncated", request_id, cached_blocks)
         if request_id not in self.live:
