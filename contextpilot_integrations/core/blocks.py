@@ -87,6 +87,15 @@ class Block(BaseModel):
             return self.tokens
         return max(1, len(self.text) // CHARS_PER_TOKEN)
 
+    def counted(self, tokens: int) -> Block:
+        """This block with its token count given (the engine's tokenizer counted it), so
+        every use of :attr:`token_count` weighs it in the engine's units."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= MAX_TOKENS:
+            raise InvalidBlockError(f"tokens must be an int in 1..{MAX_TOKENS}, got {tokens!r}")
+        copy = self.model_copy(update={"tokens": tokens})
+        copy.__dict__.pop("token_count", None)  # the original's cached estimate must not carry over
+        return copy
+
 
 def _prepare_fields(data: dict[str, Any]) -> dict[str, Any]:
     """Check the text first (clear errors for non-text content), then derive the id."""

@@ -64,6 +64,7 @@ __all__ = [
     "labelled_key",
     "labelled_keys",
     "leading_reuse",
+    "page_margin",
     "plain_keys",
     "TokenCounter",
 ]
@@ -101,14 +102,42 @@ def annotation_tokens(
     form: Form = "labels",
     count: TokenCounter = estimate_tokens,
 ) -> int:
-    """Tokens of the order annotation for this ranking, sent in ``order`` (in ``form``)."""
+    """Tokens of the order annotation for this ranking, sent in ``order`` (in ``form``).
+
+    With a ``count`` of its own (the engine's tokenizer) the annotation is counted piece by
+    piece: its frame, each item, each joiner. The pieces are few and recur (``#3``, a
+    block's ``[label]``), so the pilot counts them before it takes its lock, and a piece
+    counted alone never has fewer tokens than in context (no merge across its edges)."""
     if not ranking:
         return 0
+    if count is not estimate_tokens:
+        return _annotation_pieces(ranking, templates, order, form, count)
     if form == "labels" or order is None:
         return count(render_order(ranking, templates))
-    if form == "positions" and count is estimate_tokens:  # its length depends on the block count alone
+    if form == "positions":  # its length depends on the block count alone
         return -(-_position_chars(len(ranking), templates) // CHARS_PER_TOKEN)
     return count(render_position_order(ranking, order, templates, moved_only=form == "moved"))
+
+
+def _annotation_pieces(
+    ranking: Sequence[Block], templates: Templates, order: Sequence[Block] | None, form: Form, count: TokenCounter
+) -> int:
+    """:func:`annotation_tokens` as the sum of its pieces' tokens."""
+    if form == "labels" or order is None:
+        frame, joiner = templates.order, templates.order_joiner
+        items = [templates.order_item.format(label=block.label) for block in ranking]
+    elif form == "positions":  # any permutation has the same items
+        frame, joiner = templates.position_order, templates.order_joiner
+        items = [templates.position_item.format(position=p) for p in range(1, len(ranking) + 1)]
+    else:
+        frame, joiner = templates.moved_order, templates.moved_joiner
+        position = {block.id: index for index, block in enumerate(order, 1)}
+        items = [
+            templates.moved_item.format(position=position[block.id], rank=rank)
+            for rank, block in enumerate(ranking, 1)
+            if position[block.id] != rank
+        ]
+    return count(frame.format(order="")) + sum(map(count, items)) + max(len(items) - 1, 0) * count(joiner)
 
 
 @functools.lru_cache(maxsize=256)
@@ -203,12 +232,14 @@ def choose_order(
     label_cost: int,
     form: Form = "positions",
     cache_tokens: int | None = None,
+    page_tokens: int = 1,
     plain_ok: bool = True,
     kept: float = 1.0,
     budget: float = math.inf,
     retrieval_chance: Chance | None = None,
     prompt_tokens: int = 0,
     labelled: tuple[Sequence[str], int] | None = None,
+    follow_cost: int = 0,
 ) -> Choice:
     """The send that pays best; ties go to the one that changes less.
 
@@ -229,6 +260,7 @@ def choose_order(
         annotation_cost: tokens of the order annotation, if reordered.
         label_cost: tokens the labels add to the request.
         cache_tokens: the engine's cache size in tokens, if known.
+        page_tokens: the engine's page in tokens (1: unknown); see :func:`page_margin`.
         kept: the share of what the index predicts cached that the engine really served
             (:meth:`Retention.share_or`): every reuse counts that much.
         budget: the most tokens a send may lose now for later reuse (:class:`Balance`:
@@ -240,10 +272,17 @@ def choose_order(
         labelled: in the one-text forms, (an order onto a labelled prefix the index holds,
             its labels' and label-annotation's tokens): a candidate too, where a
             conversation left labelled blocks cached.
+        follow_cost: what a later request pays to line up with this one's prefix (about
+            this one's annotation: it is most often reordered too), taken from the later
+            reuse where no score keeps the bets honest (partners in a batch sent in order:
+            a pair that each pay an annotation to share a prefix shorter than both costs
+            the engine more). Online the score (:class:`Balance`) charges it when the
+            follower goes out.
     """
     size = sum(tokens[key] for key in retrieval) + prompt_tokens
     bets = budget > 0
     one_text = form != "labels" and plain_ok
+    margin = page_margin(page_tokens)
     candidates: list[tuple[float, float, float, Choice]] = []  # (value, value now, reuse now, choice)
 
     def add(order: Sequence[str], labelled: bool, ahead: Chance | None, cost: int) -> None:
@@ -251,6 +290,10 @@ def choose_order(
         cached = matched(order, labelled)
         now = sum(tokens[key] for key in order[:cached])
         value = kept * leading_reuse(order, tokens, cached, ahead if ahead and fits and bets else _never)
+        if follow_cost and value > kept * now:  # what the follower pays to line up
+            value -= min(value - kept * now, follow_cost)
+        if margin and candidates:  # every send but the first (the retriever's order, as it goes out)
+            cost += margin
         candidates.append((value - cost, kept * now - cost, now, Choice(list(order), labelled, fits)))
 
     if plain_ok:  # as without ContextPilot
@@ -266,7 +309,20 @@ def choose_order(
     best = max(value for value, _, _, _ in affordable)
     _, now_value, _, choice = next(candidate for candidate in affordable if candidate[0] == best)
     base = candidates[0][2]  # what the retriever's order reuses now, as it would go out
+    if choice is not candidates[0][3]:
+        now_value += margin  # a margin for the worst case, not tokens spent
     return replace(choice, bought=now_value - kept * base)
+
+
+def page_margin(page_tokens: int) -> int:
+    """What page rounding can take from a send that is not the retriever's order, in tokens.
+
+    An engine caches and reuses whole pages (SGLang ``--page-size``, vLLM ``--block-size``),
+    so the reuse a send realizes is its cached prefix floored to a page: up to
+    ``page_tokens - 1`` tokens less than its blocks' tokens say, while retrieval order's may
+    come out whole. Where a page is not one token, a reordered or labelled send must beat
+    retrieval order by more than that, or the reuse it buys on paper may buy nothing."""
+    return max(page_tokens - 1, 0)
 
 
 class Cooccurrence:

@@ -41,6 +41,13 @@ def check_request_id(request_id: object) -> None:
         raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
 
 
+def check_sizes(cache_tokens: object, page_tokens: object) -> None:
+    """A pilot's engine sizes: each a count, or ``None`` (unknown)."""
+    for name, value in (("cache_tokens", cache_tokens), ("page_tokens", page_tokens)):
+        if value is not None:
+            check_count(name, value)
+
+
 def check_count(name: str, value: object) -> None:
     """A count of blocks or tokens: an int >= 0 (not a bool, a float or NaN)."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -5,6 +5,7 @@ tokens, and keep the index true from the engine's KV-cache events.
 - :class:`EvictionListener`: the HTTP callback server our SGLang plugin posts events to;
 - :class:`ZmqEventSubscriber`: follows a stock SGLang or vLLM KV-event socket (no plugin);
 - :class:`KvEventSink`: applies event batches from any transport to a pilot;
+- :class:`EngineTokenCounter`: counts tokens with the engine's own ``/tokenize``;
 - :class:`EngineBlockMap`: engine block hashes <-> our request ids;
 - :mod:`.wire`: the engines' formats; :mod:`.sglang_plugin`: the publisher loaded in SGLang.
 """
@@ -15,6 +16,7 @@ from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
 from .router import CacheAwarePolicy, Routed, RoutedResult, Router, RoutingClient, Target, TargetStats
 from .sink import KvEventSink, SinkStats
+from .tokens import EngineTokenCounter
 from .wire import ENGINES, REQUEST_ID_FIELDS, KvEventBatch
 from .zmq_subscriber import SubscriberStats, ZmqEventSubscriber, subscribe_ranks
 
@@ -26,6 +28,7 @@ __all__ = [
     "EngineError",
     "EngineHTTPError",
     "EngineTimeout",
+    "EngineTokenCounter",
     "EngineUnavailable",
     "CacheAwarePolicy",
     "EvictionListener",

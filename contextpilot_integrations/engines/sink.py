@@ -174,6 +174,8 @@ class KvEventSink:
                 else:
                     self._reset()
             stats.requests_shortened += len(shortened_here)
+            if self.pilot.page_tokens is None and self.block_map.page_size:  # the send decision weighs pages
+                self.pilot.page_tokens = self.block_map.page_size
             stats.batches += 1
             stats.events += len(batch.events)
             if batch.ts is not None:

@@ -22,7 +22,7 @@ from ..core.conversations import ConversationStore
 from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_token_count, check_usage
-from ..core.validation import check_count
+from ..core.validation import check_count, check_sizes
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderUsage
 from .planner import BatchItem, Planner
@@ -64,8 +64,9 @@ class ContextPilot:
             the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
             restated by label). A conversation labels its blocks only where later turns are expected
             to refer to them for more than the labels cost (:mod:`contextpilot_integrations.core.conversations`).
-        token_counter: counts the tokens of a text (the engine's tokenizer), so labels and the
-            annotation are weighed in the blocks' units; default: four characters a token, rounded up.
+        token_counter: the engine's tokenizer (:class:`~.engines.EngineTokenCounter`): blocks without
+            ``tokens``, labels and annotation are weighed in its units (default: four characters a token).
+        page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -84,16 +85,16 @@ class ContextPilot:
         plain_prompts: bool = True,
         order_form: Form = "positions",
         token_counter: TokenCounter | None = None,
+        page_tokens: int | None = None,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
             raise ValueError("max_live_requests must be at least 1")
-        if cache_tokens is not None:
-            check_count("cache_tokens", cache_tokens)
+        check_sizes(cache_tokens, page_tokens)
         if order_form not in FORMS:
             raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
         self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
-        self.token_counter: TokenCounter = token_counter or estimate_tokens
+        self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
         self.templates, self.annotate_order = templates or DEFAULT_TEMPLATES, annotate_order
         self.max_live_requests = max_live_requests
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
@@ -184,14 +185,14 @@ class ContextPilot:
         Returns how many of the ids were live."""
         ids = checked_ids(request_ids)
         with self._lock:
-            return self._state.evict(ids)
+            return self._state.evict(ids, heard=True)
 
     def truncate(self, request_id: str, cached_blocks: int) -> bool:
         """The engine now holds only the first ``cached_blocks`` blocks of this request (0: none;
         its order is remembered, so :meth:`restore` can bring it back). Returns whether it was live."""
         check_count("cached_blocks", cached_blocks)
         with self._lock:
-            return self._state.truncate(request_id, cached_blocks)
+            return self._state.truncate(request_id, cached_blocks, heard=True)
 
     def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
         """The engine holds (again) the first ``cached_blocks`` blocks (``None``: all) of this
@@ -239,7 +240,7 @@ class ContextPilot:
         if cache_write_tokens is not None:
             check_token_count("cache_write_tokens", cache_write_tokens)
         with self._lock:
-            self._reports.record_usage(prepared, prompt_tokens, cached_tokens, cache_write_tokens)
+            self._reports.record_usage(prepared, prompt_tokens, cached_tokens, cache_write_tokens, self.cache_tokens)
 
     def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
         """Add a hosted API's usage (see :func:`~.providers.read_provider_usage`): prompt

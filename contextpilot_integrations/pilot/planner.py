@@ -31,12 +31,14 @@ from ..core.gain import (
     TokenCounter,
     annotation_tokens,
     choose_order,
+    estimate_tokens,
     key_blocks,
     label_tokens,
     labelled_keys,
     plain_keys,
 )
 from ..core.prepared import PreparedRequest, Reference, make_reference
+from ..core.units import TokenUnits
 from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from ..errors import DuplicateRequestError
 from .state import EngineState
@@ -79,6 +81,7 @@ class Settings(Protocol):
     order_form: Form
     token_counter: TokenCounter
     cache_tokens: int | None
+    page_tokens: int | None
 
 
 class Planner:
@@ -91,6 +94,7 @@ class Planner:
         """The pilot's settings, read at each decision: a pilot's attribute set later counts."""
         self.outlook = Outlook()
         self.counters = state.counters
+        self._units: TokenUnits | None = None
 
     @property
     def templates(self) -> Templates:
@@ -109,8 +113,35 @@ class Planner:
         return self.settings.order_form
 
     @property
+    def units(self) -> TokenUnits | None:
+        """The pilot's token counter with a memory per text (None: the default estimate)."""
+        counter = self.settings.token_counter
+        if counter is estimate_tokens:
+            return None
+        units = self._units
+        if units is None or units.counter is not counter:
+            self._units = units = TokenUnits(counter)
+        return units
+
+    @property
     def token_counter(self) -> TokenCounter:
-        return self.settings.token_counter
+        """What the decisions count labels and the annotation with, under the lock: the
+        estimate, or the counter's remembered counts (:meth:`.TokenUnits.known`)."""
+        units = self.units
+        return estimate_tokens if units is None else units.known
+
+    def counted(self, blocks: list[Block], query: str, conversation_id: str | None) -> list[Block]:
+        """Off the lock: blocks without a given count counted with the pilot's counter, and
+        the pieces their decision weighs (question, annotation items; labels where they may
+        be weighed) with them. A piece missed here is estimated under the lock
+        (:meth:`.TokenUnits.known`)."""
+        units = self.units
+        if units is None:
+            return blocks
+        blocks = units.blocks(blocks)
+        labels = conversation_id is not None or self.order_form == "labels" or not self.plain_prompts
+        units.request(blocks, query, self.templates, labels or self.outlook.labelled_sends > 0)
+        return blocks
 
     @property
     def cache_tokens(self) -> int | None:
@@ -130,6 +161,7 @@ class Planner:
         check_query(query)
         check_conversation_id(conversation_id)
         kept = check_kept_turns(kept_turns)
+        normalized = self.counted(normalized, query, conversation_id)
         with lock:
             return self.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
 
@@ -278,12 +310,14 @@ class Planner:
             label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
             form=self.order_form,
             cache_tokens=self.cache_tokens,
+            page_tokens=self.settings.page_tokens or 1,
             plain_ok=plain_ok,
             kept=self.outlook.retention.share_or(0.0 if concurrent else 1.0),
             budget=budget if bets else 0.0,
             retrieval_chance=self.outlook.cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
             labelled=labelled,
+            follow_cost=annotation if chance is not None and not concurrent else 0,
         )
 
     def plan(
@@ -321,6 +355,10 @@ class Planner:
                     check_request_id(item.request_id)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request #{index}: {exc}") from exc
+        normalized = [
+            (self.counted(blocks, item.query, item.conversation_id), merged)
+            for item, (blocks, merged) in zip(items, normalized, strict=True)
+        ]
         with lock:
             ids = []
             for index, item in enumerate(items):

@@ -38,9 +38,18 @@ class Reports:
         self.usage: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> engine usage
 
     def record_usage(
-        self, prepared: PreparedRequest, prompt_tokens: int | None, cached_tokens: int | None, cache_write: int | None
+        self,
+        prepared: PreparedRequest,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        cache_write: int | None,
+        capacity: int | None = None,
     ) -> None:
-        """The engine's own token accounting for a served request (checked by the caller)."""
+        """The engine's own token accounting for a served request (checked by the caller); with
+        the engine's cache size (``capacity``), what the request computed is what it holds
+        there (:meth:`.EngineState.hold`)."""
+        if capacity is not None and prompt_tokens is not None and cached_tokens is not None:
+            self.state.hold(prepared.request_id, prompt_tokens - cached_tokens, capacity)
         counters = self.counters
         counters.cache_write_tokens += cache_write or 0
         counters.engine_requests += 1

@@ -41,6 +41,9 @@ class EngineState:
         self.live: OrderedDict[str, int] = OrderedDict()  # request id -> when it entered, oldest first
         self.orders: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # send orders, for restore()
         self.reserved: set[str] = set()  # ids of a batch being planned
+        self.footprints: dict[str, int] = {}  # live request id -> tokens it added to the engine's cache
+        self.held_tokens = 0  # their sum
+        self.hears_evictions = False  # the engine's evictions reach the pilot (KV events, a simulator)
         self.observers: list[Callable[..., None]] = []
         self._ticks = itertools.count()
         self._id_prefix = f"{id_prefix}-{secrets.token_hex(4)}-"
@@ -104,13 +107,42 @@ class EngineState:
         else:
             self.strategy.order(rid, order)  # the paper's tree learns the request
 
+    def hold(self, rid: str, tokens: int, capacity: int | None) -> None:
+        """Live request ``rid`` added ``tokens`` to the engine's cache (what it computed, as
+        the engine reported: its prompt less its cached tokens). With the cache's size known,
+        the oldest requests are forgotten while the live ones hold more than it: the engine
+        evicts least recently used first, so a prediction it has already dropped does not buy
+        a failed reorder (a prefix a newer request reused stays predicted through that one).
+        Once the engine's own evictions reach the pilot (:attr:`hears_evictions`), they are
+        followed instead."""
+        if rid not in self.live:
+            return
+        self.held_tokens += tokens - self.footprints.get(rid, 0)
+        self.footprints[rid] = tokens
+        if capacity is None or self.hears_evictions or self.held_tokens <= capacity:
+            return
+        gone, held = [], self.held_tokens
+        for old in self.live:
+            if held <= capacity:
+                break
+            if old != rid:
+                gone.append(old)
+                held -= self.footprints.get(old, 0)
+        self.evict(gone)
+
+    def _release(self, rid: str) -> None:
+        self.held_tokens -= self.footprints.pop(rid, 0)
+
     # ---- the engine dropped or got back blocks -------------------------------------------------
-    def evict(self, request_ids: list[str]) -> int:
+    def evict(self, request_ids: list[str], heard: bool = False) -> int:
+        """``heard``: the engine's own eviction (events, a simulator), not the pilot's inference."""
+        self.hears_evictions |= heard
         evicted = 0
         for rid in request_ids:
             self.orders.pop(rid, None)
             if rid in self.live:
                 del self.live[rid]
+                self._release(rid)
                 self.forget(rid)
                 evicted += 1
         self.counters.evicted += evicted
@@ -118,17 +150,24 @@ class EngineState:
             self.notify("evicted", tuple(request_ids))
         return evicted
 
-    def truncate(self, request_id: str, cached_blocks: int) -> bool:
+    def truncate(self, request_id: str, cached_blocks: int, heard: bool = False) -> bool:
+        self.hears_evictions |= heard
         if self.observers:
             self.notify("truncated", request_id, cached_blocks)
         if request_id not in self.live:
             return False
         if cached_blocks == 0:
             del self.live[request_id]
+            self._release(request_id)
             self.trie.evict(request_id)
             self.strategy.forget(request_id)
             self.counters.evicted += 1
             return True
+        whole = len(self.orders.get(request_id, ())) or cached_blocks
+        if request_id in self.footprints and cached_blocks < whole:  # it holds that share of its blocks now
+            kept = self.footprints[request_id] * cached_blocks // whole
+            self.held_tokens -= self.footprints[request_id] - kept
+            self.footprints[request_id] = kept
         return self.trie.truncate(request_id, cached_blocks)
 
     def restore(self, request_id: str, cached_blocks: int | None) -> bool:
@@ -154,6 +193,8 @@ class EngineState:
         self.counters.evicted += len(self.live)
         self.live.clear()
         self.orders.clear()
+        self.footprints.clear()
+        self.held_tokens = 0
         self.trie.clear()
         self.strategy.reset()
         if self.observers:
@@ -166,6 +207,7 @@ class EngineState:
     def enforce_bound(self) -> None:
         while len(self.live) > self.max_live_requests:
             oldest, _ = self.live.popitem(last=False)
+            self._release(oldest)
             self.forget(oldest)
             self.orders.pop(oldest, None)
             self.counters.evicted += 1

@@ -40,6 +40,7 @@ from ..core.blocks import Block
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_usage
 from ..engines.client import OpenAICompatClient
+from ..engines.tokens import EngineTokenCounter
 from ..errors import ContextPilotError, EngineError
 from ..pilot import BatchRequest, ContextPilot
 from .engine_predict import CacheShape, EngineTokenizer, cache_shape, predict_cached
@@ -374,6 +375,19 @@ def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: st
     return shape
 
 
+def _slots_shape(url: str) -> CacheShape | None:
+    """llama-server's KV cache: its slots' context (``/props``: ``n_ctx`` a slot, ``total_slots``),
+    in pages of one token; ``None`` if it does not say. A slot keeps its last prompt only, so
+    this is the most it can hold, not what it keeps."""
+    try:
+        props = httpx.get(url.rstrip("/") + "/props", timeout=30).json()
+        context = int(props["default_generation_settings"]["n_ctx"])
+        slots = int(props.get("total_slots") or 1)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return CacheShape(1, context * slots) if context > 0 and slots > 0 else None
+
+
 def _warm_up(url: str, model: str) -> None:
     body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "warm up"}]}
     with suppress(httpx.HTTPError):  # the comparison's own requests will say what is wrong
@@ -392,6 +406,7 @@ class _Workloads:
                 break
             chosen.extend(chat[i] for i in turns)
         self.chat = chosen[: max(args.engine_requests, 1)]
+        self._shapes: dict[str, CacheShape | None] = {}  # engine kind -> its cache, read once
 
     def blocks(self, request: TraceRequest) -> list[Block]:
         limit = self.args.engine_block_chars
@@ -400,16 +415,32 @@ class _Workloads:
             Block(id=b, text=text[:limit] if limit else text) for b, text in zip(request.blocks, texts, strict=True)
         ]
 
+    def pilot(self, url: str, server: _Server, model: str, counter: EngineTokenCounter) -> ContextPilot:
+        """The pilot as a user who knows the engine sets it up: the engine's tokenizer
+        (every block, label and annotation in its tokens), and where the engine says them
+        (SGLang, vLLM; read once, before the first pass) its KV pool and page size, so the
+        index forgets what the pool cannot hold and no reorder is bet on less than a page;
+        llama-server's slots' context (``/props``), pages of one token."""
+        if server.kind not in self._shapes:
+            self._shapes[server.kind] = cache_shape(url, server.kind) if server.kind in FLUSH_PATHS else None
+            if server.kind == "llamacpp":
+                self._shapes[server.kind] = _slots_shape(url)
+        shape = self._shapes.get(server.kind)
+        if shape is None:
+            return ContextPilot(token_counter=counter)
+        return ContextPilot(token_counter=counter, cache_tokens=shape.capacity_tokens, page_tokens=shape.page_size)
+
     def run(self, mode: str, name: str, url: str, server: _Server, progress: bool) -> EnginePass:
         ours = name == "contextpilot"
-        pilot = ContextPilot()
         record = EnginePass(mode, name)
         total = len(self.chat if mode == "chat" else self.single)
-        bar = tqdm(total=total, desc=f"{mode}: {name}", unit="req", leave=False, disable=not progress)
         model = server.model if self.args.model == "default" and server.model else self.args.model
+        counter = EngineTokenCounter(url, model)
+        pilot = self.pilot(url, server, model, counter) if ours else ContextPilot()
+        bar = tqdm(total=total, desc=f"{mode}: {name}", unit="req", leave=False, disable=not progress)
         start = time.perf_counter()
         try:
-            with OpenAICompatClient(url, pilot, model=model, engine=server.kind, timeout=600) as client:
+            with counter, OpenAICompatClient(url, pilot, model=model, engine=server.kind, timeout=600) as client:
                 send = _Sender(client, record, bar)
                 if mode == "chat":
                     self._chat(pilot, send, ours)

@@ -1,0 +1,107 @@
+"""Count tokens as the engine does: its own ``POST /tokenize``.
+
+The send decision weighs block reuse against the tokens labels and the order annotation
+add (:mod:`contextpilot_integrations.core.gain`); it is only right when both are counted in
+the engine's units. A model's tokenizer is the engine's business (tiny test models read one
+token a character, real ones about four), so the counter asks the engine:
+``ContextPilot(token_counter=EngineTokenCounter(url))``. SGLang and vLLM take
+``{"model", "prompt", "add_special_tokens"}``, llama-server ``{"content", "add_special"}``;
+both answer ``{"tokens": [...]}``. The first count finds which body the server reads.
+
+The counter does I/O, so it says ``remote = True``: the pilot calls it before it takes its
+lock and remembers each text's count (:class:`~contextpilot_integrations.core.units.TokenUnits`,
+bounded), never under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+
+from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
+from .client import redact_url
+
+__all__ = ["EngineTokenCounter"]
+
+_BODIES = ("openai", "llamacpp")
+
+
+class EngineTokenCounter:
+    """The tokens of a text as the engine at ``base_url`` counts them (no special tokens:
+    a piece of a prompt, not a prompt of its own).
+
+    Args:
+        base_url: the server (``http://127.0.0.1:30000``; a trailing ``/v1`` is dropped).
+        model: the model name SGLang and vLLM expect in the body (ignored by llama-server).
+        timeout: seconds a count may take.
+
+    Raises (on a call): :class:`~contextpilot_integrations.errors.EngineUnavailable` (not
+    reachable), :class:`~contextpilot_integrations.errors.EngineTimeout`,
+    :class:`~contextpilot_integrations.errors.EngineHTTPError` (an error status), or
+    :class:`~contextpilot_integrations.errors.EngineError` (an answer without tokens).
+    """
+
+    remote = True
+    """It does I/O: the pilot counts with it off its lock only."""
+
+    def __init__(self, base_url: str, model: str = "default", *, timeout: float = 30.0) -> None:
+        base = base_url.rstrip("/")
+        self.url = (base[: -len("/v1")] if base.endswith("/v1") else base) + "/tokenize"
+        self.model = model
+        self._http = httpx.Client(timeout=timeout)
+        self._body: str | None = None  # which body the server reads, once known
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> int:
+        if not text:
+            return 0
+        body = self._body
+        if body is not None:
+            return self._count(body, text, strict=True)
+        for candidate in _BODIES:  # the first that comes back with the text's tokens
+            count = self._count(candidate, text, strict=candidate == _BODIES[-1])
+            if count:
+                with self._lock:
+                    self._body = candidate
+                return count
+        raise AssertionError("unreachable: the last body raises")  # pragma: no cover
+
+    def _count(self, body: str, text: str, *, strict: bool) -> int:
+        payload: dict[str, Any] = (
+            {"model": self.model, "prompt": text, "add_special_tokens": False}
+            if body == "openai"
+            else {"content": text, "add_special": False}
+        )
+        where = redact_url(self.url)
+        try:
+            response = self._http.post(self.url, json=payload)
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(f"{where} did not count tokens in time: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{where} is not reachable: {exc}") from exc
+        if response.status_code >= 400:
+            if not strict:
+                return 0
+            raise EngineHTTPError(
+                f"{where} answered {response.status_code} to a tokenize request", response.status_code
+            )
+        try:
+            tokens = response.json()["tokens"]
+        except (ValueError, KeyError, TypeError):
+            tokens = None
+        if not isinstance(tokens, list) or not tokens:  # llama-server reads no "prompt": an empty list
+            if not strict:
+                return 0
+            raise EngineError(f"{where} answered a tokenize request without the text's tokens")
+        return len(tokens)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineTokenCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
