@@ -217,7 +217,7 @@ def test_a_caller_cancelled_after_its_result_was_set_is_discarded() -> None:
 # ---- 6b-6d. event loops that die or block ----------------------------------------------------------
 def test_a_timed_out_caller_does_not_leave_a_dead_loops_timer() -> None:
     pilot = ContextPilot()
-    batcher = MicroBatcher(pilot, window=0.05)
+    batcher = MicroBatcher(pilot, window=1.0)  # long past the timeout, even on a loaded machine
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(asyncio.wait_for(batcher.aprepare(docs("x"), "timed out"), 0.001))
     later = in_thread(lambda: batcher.prepare(docs("y"), "later"))
