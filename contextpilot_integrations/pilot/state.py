@@ -130,8 +130,11 @@ class EngineState:
                 held -= self.footprints.get(old, 0)
         self.evict(gone)
 
-    def _release(self, rid: str) -> None:
+    def _drop(self, rid: str) -> None:
+        """A live request leaves the prediction: its footprint, its place in the trie and the strategy."""
+        del self.live[rid]
         self.held_tokens -= self.footprints.pop(rid, 0)
+        self.forget(rid)
 
     # ---- the engine dropped or got back blocks -------------------------------------------------
     def evict(self, request_ids: list[str], heard: bool = False) -> int:
@@ -141,9 +144,7 @@ class EngineState:
         for rid in request_ids:
             self.orders.pop(rid, None)
             if rid in self.live:
-                del self.live[rid]
-                self._release(rid)
-                self.forget(rid)
+                self._drop(rid)
                 evicted += 1
         self.counters.evicted += evicted
         if self.observers and request_ids:
@@ -157,10 +158,7 @@ class EngineState:
         if request_id not in self.live:
             return False
         if cached_blocks == 0:
-            del self.live[request_id]
-            self._release(request_id)
-            self.trie.evict(request_id)
-            self.strategy.forget(request_id)
+            self._drop(request_id)
             self.counters.evicted += 1
             return True
         whole = len(self.orders.get(request_id, ())) or cached_blocks
@@ -206,9 +204,8 @@ class EngineState:
 
     def enforce_bound(self) -> None:
         while len(self.live) > self.max_live_requests:
-            oldest, _ = self.live.popitem(last=False)
-            self._release(oldest)
-            self.forget(oldest)
+            oldest = next(iter(self.live))
+            self._drop(oldest)
             self.orders.pop(oldest, None)
             self.counters.evicted += 1
         while len(self.orders) > self.max_live_requests:
