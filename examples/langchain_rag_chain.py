@@ -71,7 +71,7 @@ for turn, question in enumerate([questions[0], questions[0] + " What was the ver
     answer = rag.invoke(question, config={"configurable": {"thread_id": "demo"}})
     cached = (getattr(answer, "usage_metadata", None) or {}).get("input_token_details", {}).get("cache_read")
     user = rag.history("demo")[-1][1]
-    print(f"turn {turn}: cached prompt tokens {cached}; {user.count('Please refer to [')} location references")
+    print(f"turn {turn}: cached prompt tokens {cached}; {user.count('Please refer to ')} location references")
     if turn:
         print(user[:400])
 

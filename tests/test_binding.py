@@ -124,7 +124,7 @@ def test_restored_messages_never_refer_to_what_they_do_not_carry(turns: list[lis
     assert dangling_references(texts) == dangling_references(texts[:-1])  # the new message adds none
     joined = "\n".join(texts)
     for block in last.ranking:
-        assert render_block(block) in joined
+        assert block.text in joined
     assert pilot.stats().references_restored == len(restored)
 
 
@@ -152,9 +152,14 @@ def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     assert "#3 > #1 > #2 > #4" in reordered.order_annotation  # c, a, b, d by position
     chat = ContextPilot()
     chat.prepare(blocks("a"), "q", "c")
-    later = chat.prepare(blocks("a", "b"), "q", "c")  # a is a reference after b: the order changed
-    assert [b.id for b in later.blocks] == ["b"] and later.order_annotation
-    same = chat.prepare(blocks("e", "a"), "q", "c")  # e sent, then the reference to a: as ranked
+    later = chat.prepare(blocks("b", "a"), "q", "c")  # a's reference in a's place: as ranked
+    assert [b.id for b in later.blocks] == ["b"] and [r.block.id for r in later.references] == ["a"]
+    assert later.order_annotation == "" and later.render().index("text of b") < later.render().index("refer to")
+    paper = ContextPilot(plain_prompts=False)  # the paper's form: references after the blocks
+    paper.prepare(blocks("a"), "q", "c")
+    moved = paper.prepare(blocks("a", "b"), "q", "c")
+    assert [b.id for b in moved.blocks] == ["b"] and moved.order_annotation == "Context in priority order: [a] > [b]."
+    same = paper.prepare(blocks("e", "a"), "q", "c")  # e sent, then the reference to a: as ranked
     assert same.order_annotation == ""
 
 

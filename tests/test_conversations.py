@@ -5,7 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.core.conversations import ConversationStore, Repeats
+from contextpilot_integrations.core.conversations import ConversationStore
+from contextpilot_integrations.pilot.binding import dangling_references
+from contextpilot_integrations.whatif.trace import estimate_tokens
 
 
 def blocks(*ids: int) -> list[Block]:
@@ -18,7 +20,7 @@ def test_paper_section_6_example() -> None:
     assert [b.id for b in first.fresh] == ["1", "2", "4"] and first.repeated == []
     second = store.deduplicate("c", blocks(1, 5, 2))
     assert [b.id for b in second.fresh] == ["5"]
-    assert [(b.id, turn) for b, turn in second.repeated] == [("1", 0), ("2", 0)]
+    assert [(b.id, turn) for b, turn, _ in second.repeated] == [("1", 0), ("2", 0)]
 
 
 def test_block_is_resent_when_its_turn_left_the_history() -> None:
@@ -26,10 +28,10 @@ def test_block_is_resent_when_its_turn_left_the_history() -> None:
     store.deduplicate("c", blocks(1, 2))
     store.deduplicate("c", blocks(3))
     third = store.deduplicate("c", blocks(1, 3), kept_turns={1})
-    assert [b.id for b in third.fresh] == ["1"] and [b.id for b, _ in third.repeated] == ["3"]
+    assert [b.id for b in third.fresh] == ["1"] and [b.id for b, _, _ in third.repeated] == ["3"]
     # turn 2 now carries block 1
     fourth = store.deduplicate("c", blocks(1), kept_turns={2})
-    assert [(b.id, t) for b, t in fourth.repeated] == [("1", 2)]
+    assert [(b.id, t) for b, t, _ in fourth.repeated] == [("1", 2)]
 
 
 def test_conversations_are_independent_and_can_end() -> None:
@@ -59,14 +61,14 @@ def test_forgetting_a_failed_turn() -> None:
     assert [b.id for b in store.deduplicate("c", blocks(1)).fresh] == ["1"]
 
 
-# ---- a label or a reference only where it pays (issue 29) -------------------------------------------
+# ---- a reference only where it costs less, and no label bet on later turns (issue 29) ----------------
 def doc(name: str, tokens: int) -> Block:
     return Block(id=name, text=f"{name} " * 20, tokens=tokens)
 
 
 def test_short_blocks_go_out_as_without_contextpilot_turn_after_turn() -> None:
-    """A reference is about as long as a 15-token chunk: de-duplicating it saves nothing and
-    its label and the order annotation cost more, so every turn is the plain prompt."""
+    """A reference is about as long as a 15-token chunk: de-duplicating it saves nothing,
+    so every turn is the plain prompt."""
     pilot = ContextPilot()
     turns = [["a", "b", "c"], ["b", "c", "d"], ["c", "d", "a"]]
     for number, ids in enumerate(turns):
@@ -76,171 +78,99 @@ def test_short_blocks_go_out_as_without_contextpilot_turn_after_turn() -> None:
         assert prepared.render() == "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
 
 
-def test_a_reference_replaces_only_a_block_longer_than_itself() -> None:
+def test_a_reference_quotes_the_plain_copy_in_its_blocks_place() -> None:
+    """The first turn goes out as without ContextPilot (no label bet on later turns); the
+    second refers to it by the block's opening words, in the block's own place, so the
+    model reads the retriever's order and no annotation is needed. A block shorter than
+    its reference is sent again."""
     pilot = ContextPilot()
-    pilot.prepare([doc("long", 300), doc("short", 10)], "q", conversation_id="c")
-    second = pilot.prepare([doc("long", 300), doc("short", 10), doc("new", 300)], "q", conversation_id="c")
-    assert [r.block.id for r in second.references] == ["long"]
-    assert [b.id for b in second.blocks] == ["short", "new"] and second.labels  # the annotation names them
+    first = pilot.prepare([doc("long", 300), doc("short", 10)], "q", conversation_id="c")
+    assert not first.labels and first.render() == "\n\n".join(
+        [doc("long", 300).text, doc("short", 10).text, "Question: q"]
+    )
+    second = pilot.prepare([doc("short", 10), doc("long", 300), doc("new", 300)], "q2", conversation_id="c")
+    assert [(r.block.id, r.turn, r.labelled) for r in second.references] == [("long", 0, False)]
+    assert [b.id for b in second.blocks] == ["short", "new"] and not second.labels
+    assert second.order_annotation == ""
+    reference = 'Please refer to the passage "long long long long…" in the previous conversation.'
+    assert second.render() == "\n\n".join([doc("short", 10).text, reference, doc("new", 300).text, "Question: q2"])
+    history = [{"role": "user", "content": first.render()}, {"role": "assistant", "content": "a"}]
+    messages = second.to_messages(history=history)
+    assert messages[-1]["content"] == second.render() and dangling_references([m["content"] for m in messages]) == []
+    alone = second.to_messages()  # without the turn it points to: the block goes out in full
+    assert alone[-1]["content"].startswith(doc("short", 10).text + "\n\n" + doc("long", 300).text)
 
 
-def test_a_reference_that_costs_more_than_it_saves_is_not_made() -> None:
-    """30 tokens of text against a 13-token reference, but moving it after the fresh blocks
-    needs the order annotation, which costs more than the 17 tokens saved."""
+def test_blocks_that_begin_alike_are_never_quoted() -> None:
+    """Two blocks with the same opening words: a quote could point at either, so both are
+    sent again in full; a labelled copy (the paper's form) is still referred to by label."""
     pilot = ContextPilot()
-    ranking = ["r", *(f"f{n}" for n in range(12))]
-    pilot.prepare([doc("r", 300)], "q", conversation_id="c")
-    second = pilot.prepare([doc("r", 30), *(doc(name, 300) for name in ranking[1:])], "q", conversation_id="c")
-    assert second.references == () and [b.id for b in second.blocks] == ranking
-
-
-def test_labels_stop_where_conversations_never_come_back_to_a_block() -> None:
-    """Traffic whose conversations have one turn each: the first ones are labelled for the
-    references a multi-turn conversation brings, then, as they stay silent, the traffic
-    shows none come."""
-    pilot = ContextPilot()
-    labelled = [
-        pilot.prepare([doc(f"d{n}.{k}", 600) for k in range(15)], "q", conversation_id=f"c{n}").labels
-        for n in range(300)
+    twins = [Block(id=n, text=f"Table of Contents page {n} " + "x " * 400) for n in ("a", "b")]
+    pilot.prepare(twins, "q", conversation_id="c")
+    again = pilot.prepare(twins, "q", conversation_id="c")
+    assert again.references == () and [b.id for b in again.blocks] == ["a", "b"]
+    paper = ContextPilot(plain_prompts=False)
+    paper.prepare(twins, "q", conversation_id="c")
+    again = paper.prepare(twins, "q", conversation_id="c")
+    assert [(r.text, r.labelled) for r in again.references] == [
+        ("Please refer to [a] in the previous conversation.", True),
+        ("Please refer to [b] in the previous conversation.", True),
     ]
-    assert labelled[0] and not any(labelled[-100:])
-    assert sum(labelled) <= Repeats().max_wait  # the loss is bounded: they count as gone after the wait
-    assert pilot._conversations.repeats.rate < 0.01
 
 
-def test_a_block_first_sent_plain_is_sent_again_then_referred_to_once_labelled() -> None:
-    """300 conversations start before any comes back: labels stop being bet on. Their second
-    turns repeat 5 blocks each: referred to where the first turn was labelled, else sent
-    again in full (labelled, now that the traffic shows repeats); the third turn refers to
-    that copy."""
+def test_one_turn_conversations_are_never_labelled() -> None:
+    """Conversations that never come back cost nothing: no first turn carries labels for
+    references that never come (the bet the old rule made before any evidence)."""
     pilot = ContextPilot()
-
-    def turn(n: int, t: int) -> list[Block]:
-        return [doc(f"c{n}.{k}", 600) for k in range(5)] + [doc(f"c{n}.t{t}.{k}", 600) for k in range(10)]
-
-    firsts = [pilot.prepare(turn(n, 0), "q", conversation_id=f"c{n}") for n in range(300)]
-    assert firsts[0].labels and not firsts[-1].labels
-    seconds = [pilot.prepare(turn(n, 1), "q", conversation_id=f"c{n}") for n in range(300)]
-    assert [(r.block.id, r.turn) for r in seconds[0].references] == [(f"c0.{k}", 0) for k in range(5)]
-    assert seconds[-1].references == () and len(seconds[-1].blocks) == 15  # no label to point to: in full
-    assert seconds[-1].labels  # the repeats are evidence: labels pay again
-    third = pilot.prepare(turn(299, 2), "q", conversation_id="c299")
-    assert [(r.block.id, r.turn) for r in third.references] == [(f"c299.{k}", 1) for k in range(5)]
+    for n in range(50):
+        blocks = [doc(f"d{n}.{k}", 600) for k in range(15)]
+        prepared = pilot.prepare(blocks, "q", conversation_id=f"c{n}")
+        assert not prepared.labels and prepared.render() == "\n\n".join([*(b.text for b in blocks), "Question: q"])
 
 
-def test_repeats_learn_from_the_traffic_and_forget_the_prior() -> None:
-    repeats = Repeats(prior=1.0, weight=10.0, decay=1.0)
-    assert repeats.rate == 1.0
-    repeats.observe(sent=10, repeats=0)
-    assert repeats.rate == 0.5
-    repeats.observe(sent=0, repeats=20)
-    assert repeats.rate == 1.5
-    with pytest.raises(ValueError):
-        Repeats(decay=0.0)
-
-
-# ---- censoring: a turn's blocks count once its conversation moved on or is gone (issue 29) ----------
-def test_first_turns_of_many_interleaved_conversations_stay_labelled_until_they_could_come_back() -> None:
-    """120 conversations start before any comes back (conversations interleaved by turn, as
-    in the demo's chat): none could have come back yet, so their first turns are not read as
-    conversations that never do; every second turn refers to the 5 blocks its first turn sent."""
-    pilot = ContextPilot()
-
-    def turn(n: int, t: int) -> list[Block]:
-        return [doc(f"c{n}.{k}", 600) for k in range(5)] + [doc(f"c{n}.t{t}.{k}", 600) for k in range(10)]
-
-    firsts = [pilot.prepare(turn(n, 0), "q", conversation_id=f"c{n}") for n in range(120)]
-    assert all(first.labels for first in firsts)
-    for n in range(120):
-        second = pilot.prepare(turn(n, 1), "q", conversation_id=f"c{n}")
-        assert [(r.block.id, r.turn) for r in second.references] == [(f"c{n}.{k}", 0) for k in range(5)]
-
-
-def test_a_turn_counts_once_its_conversation_moves_on_or_ends() -> None:
-    store = ConversationStore()
-    store.repeats = Repeats(prior=1.0, weight=10.0, decay=1.0)
-    store.deduplicate("a", blocks(1, 2, 3, 4))
-    assert store.repeats.rate == 1.0  # it could not have come back yet: nothing is known
-    store.deduplicate("a", blocks(1, 2, 5, 6))  # two came back
-    assert store.repeats.rate == 12 / 14  # the first turn's four, with the two this turn repeated
-    store.end("a")
-    assert store.repeats.rate == 12 / 16  # ended: this turn's two fresh blocks never came back
-
-
-def test_a_silent_conversation_counts_as_gone_by_degrees_then_in_full() -> None:
-    repeats = Repeats(prior=1.0, weight=10.0, decay=1.0, min_wait=1, max_wait=8)
-    assert repeats.wait == 8  # no gap seen yet
-    repeats.turn("a", sent=10, repeats=0)
-    for n in range(4):
-        repeats.turn(f"other{n}", sent=0, repeats=0)
-    assert repeats.rate == 10 / 15  # silent for 4 turns of a wait of 8: half its blocks count
-    for n in range(4, 8):
-        repeats.turn(f"other{n}", sent=0, repeats=0)
-    assert repeats.rate == 10 / 20  # past the wait: gone
-    repeats.turn("a", sent=0, repeats=5)  # back after all: its repeats count, its blocks not twice
-    assert repeats.rate == 15 / 20
-    with pytest.raises(ValueError):
-        Repeats(min_wait=10, max_wait=5)
-
-
-def test_the_wait_is_learnt_from_how_far_apart_a_conversations_turns_come() -> None:
-    repeats = Repeats(decay=1.0, patience=4.0, min_wait=2, max_wait=100)
-    for _ in range(3):
-        for name in "abc":  # three conversations, round-robin: a turn every 3 turns
-            repeats.turn(name, sent=1, repeats=0)
-    assert repeats.wait == 12
-    repeats.turn("z", sent=1, repeats=0)
-    for n in range(60):  # z is counted gone after 12 turns, then comes back after 61
-        repeats.turn(f"one-off{n}", sent=1, repeats=0)
-    repeats.turn("z", sent=1, repeats=0)
-    assert repeats.wait == int(4 * (6 * 3 + 61) / 7)  # a late return lengthens the wait
-
-
-def test_conversations_that_never_come_back_are_held_a_bounded_time() -> None:
-    repeats = Repeats(max_wait=64)
-    for n in range(5000):
-        repeats.turn(f"c{n}", sent=15, repeats=0)
-    assert len(repeats._pending) <= 64 and len(repeats._gone) <= 4 * 64
-    assert repeats.rate < 0.01
-
-
-def test_dropped_expired_and_failed_turns_settle_what_they_sent() -> None:
-    now = [0.0]
-    store = ConversationStore(ttl=10, max_conversations=2, clock=lambda: now[0])
-    store.repeats = Repeats(prior=1.0, weight=10.0, decay=1.0, min_wait=1000, max_wait=1000)
-    store.deduplicate("a", blocks(1, 2))
-    store.deduplicate("b", blocks(3, 4))
-    store.deduplicate("c", blocks(5, 6))  # "a" is dropped (two at most): gone
-    assert store.repeats.rate == pytest.approx(10 / 12, abs=1e-3)
-    store.forget_turn("c", 0)  # never reached the model: its blocks count for nothing
-    now[0] = 11.0
-    assert len(store) == 0  # "b" and "c" expired: "b" is gone
-    assert store.repeats.rate == 10 / 14
+WORDS = ["Table", "of", "Contents", "The", "jury", "said", "on", "Monday", "FTX"]
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["turn", "turn", "turn", "gone", "withdraw"]), st.integers(0, 40), st.integers(0, 20)
+            st.lists(st.tuples(st.integers(0, 11), st.integers(1, 400)), min_size=1, max_size=8),
+            st.integers(0, 4),
         ),
-        max_size=300,
-    )
+        min_size=1,
+        max_size=8,
+    ),
+    st.randoms(use_true_random=False),
 )
-def test_the_censored_counts_stay_bounded_and_add_up(steps: list[tuple[str, int, int]]) -> None:
-    """Whatever the turns, ends and failed turns: the maps stay within their bounds and the
-    running sums behind the silent share match the conversations still waiting."""
-    repeats = Repeats(min_wait=2, max_wait=16)
-    for action, who, sent in steps:
-        name = f"c{who}"
-        if action == "turn":
-            repeats.turn(name, sent, sent // 2)
-        elif action == "gone":
-            repeats.gone(name)
-        else:
-            repeats.withdraw(name)
-        pending = repeats._pending.values()
-        assert len(repeats._pending) <= repeats.wait <= repeats.max_wait
-        assert len(repeats._gone) <= repeats.patience * repeats.max_wait + 1
-        assert repeats._silent == sum(s for _, s in pending) and repeats._at == sum(s * at for at, s in pending)
-        assert repeats.rate >= 0
+def test_a_turn_never_costs_more_than_without_contextpilot_and_never_dangles(
+    turns: list[tuple[list[tuple[int, int]], int]], rng: object
+) -> None:
+    """Any conversation (blocks of 1-400 tokens, openings that collide, texts updated under
+    the same id, histories cut to a window): each turn's prompt is never longer than the
+    same blocks sent as without ContextPilot, and every reference it makes has its copy in
+    the history sent with it."""
+    pilot = ContextPilot()
+    history: list[dict[str, str]] = []
+    texts: dict[int, str] = {}
+    for number, (picks, window) in enumerate(turns):
+        blocks, seen = [], set()
+        for key, tokens in picks:
+            if key in seen:
+                continue
+            seen.add(key)
+            if key not in texts or key % 5 == 0:  # some ids change their text
+                texts[key] = " ".join(rng.choice(WORDS) for _ in range(6)) + f" {key}.{number}"  # type: ignore[attr-defined]
+            blocks.append(Block(id=str(key), text=texts[key], tokens=tokens))
+        kept = list(range(max(0, number - window), number))
+        prepared = pilot.prepare(blocks, f"q{number}", conversation_id="c", kept_turns=kept)
+        plain = "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
+        size = sum(b.token_count for b in prepared.blocks) + sum(estimate_tokens(r.text) for r in prepared.references)
+        assert size <= sum(b.token_count for b in blocks)
+        assert not prepared.labels and (prepared.references or prepared.render() == plain)
+        sent = history[2 * kept[0] :] if kept else []
+        messages = prepared.to_messages(history=sent)
+        assert messages[-1]["content"] == prepared.render()  # nothing had to be restored
+        stale = dangling_references([m["content"] for m in sent])  # the caller's history, cut short
+        assert dangling_references([m["content"] for m in messages]) == stale
+        history += [{"role": "user", "content": prepared.render()}, {"role": "assistant", "content": "ok"}]

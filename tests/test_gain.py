@@ -50,10 +50,10 @@ def test_a_request_larger_than_the_cache_is_not_indexed() -> None:
     assert pilot.stats().live_requests == 1 and small.cached_blocks == 0
 
 
-def test_a_conversation_keeps_its_labels() -> None:
-    """Later turns refer to its blocks by label, so on a fresh pilot (where later turns are
-    expected to come back to a block) turn 0 is labelled even when nothing recurs."""
-    pilot = ContextPilot()
+def test_a_conversation_in_the_papers_form_keeps_its_labels() -> None:
+    """Later turns refer to its blocks by label (the default sends turn 0 as its text alone
+    and quotes it instead: tests/test_conversations.py)."""
+    pilot = ContextPilot(plain_prompts=False)
     first = pilot.prepare([doc("a"), doc("b")], "q", conversation_id="c")
     assert first.labels and "[a] " in first.render()
     second = pilot.prepare([doc("a"), doc("c")], "q2", conversation_id="c")
@@ -354,11 +354,11 @@ def test_a_send_loses_now_at_most_the_budget_against_the_prompt_without_contextp
         assert choice.bought == now - cost - plain_now
 
 
-def test_a_request_outside_a_conversation_follows_the_labelled_prefix_a_conversation_left() -> None:
-    """A conversation labels its blocks; another user's request with those blocks is sent
-    labelled too where that prefix pays for the labels (the README's example)."""
+def test_a_request_outside_a_conversation_follows_the_prefix_a_conversation_left() -> None:
+    """A conversation's first turn goes out as its text alone: another user's request with
+    those blocks follows that very text (one text per block), restating its ranking by position."""
     pilot = ContextPilot()
     pilot.prepare([doc("a"), doc("b"), doc("c")], "q", conversation_id="user")
     other = pilot.prepare([doc("b"), doc("a"), doc("d")], "q")
-    assert other.labels and [b.id for b in other.blocks] == ["a", "b", "d"] and other.cached_blocks == 2
-    assert other.order_annotation == "Context in priority order: [b] > [a] > [d]."
+    assert not other.labels and [b.id for b in other.blocks] == ["a", "b", "d"] and other.cached_blocks == 2
+    assert other.order_annotation == "Context in priority order, by position: #2 > #1 > #3."

@@ -59,8 +59,8 @@ def test_updated_document_under_the_same_id_is_sent_again() -> None:
 def test_every_reference_points_at_the_same_text_in_a_kept_turn(
     turns: list[tuple[list[tuple[int, int]], set[int] | None]],
 ) -> None:
-    """Property: a reference names a turn the caller keeps, which sent exactly this text
-    with the label the reference names; blocks are short or long (a reference pays only
+    """Property: a reference names a turn the caller keeps, which sent exactly this text,
+    with the label the reference names or as the text its quote begins; blocks are short or long (a reference pays only
     for the long ones)."""
     pilot = ContextPilot()
     sent: dict[int, dict[str, tuple[str, bool]]] = {}  # turn -> block id -> (text sent in full, labelled)
@@ -74,7 +74,7 @@ def test_every_reference_points_at_the_same_text_in_a_kept_turn(
         )
         for reference in prepared.references:
             assert kept is None or reference.turn in kept
-            assert sent[reference.turn][reference.block.id] == (reference.block.text, True)
+            assert sent[reference.turn][reference.block.id] == (reference.block.text, reference.labelled)
             assert reference.block.token_count > 1  # never for a block shorter than its reference
         sent[prepared.turn] = {b.id: (b.text, prepared.labels) for b in prepared.blocks}  # type: ignore[index]
 

@@ -79,7 +79,7 @@ def test_rendered_prefixes_are_byte_identical_across_conversations() -> None:
 
 
 def test_paper_section_6_through_the_pilot() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(plain_prompts=False)  # the paper's form: labels, references after the blocks
     pilot.prepare(as_blocks([1, 2, 4]), "turn 0", conversation_id="c")
     second = pilot.prepare(as_blocks([1, 5, 2]), "turn 1", conversation_id="c")
     assert [b.id for b in second.blocks] == ["5"]

@@ -28,8 +28,9 @@ DOCUMENTED_OUTPUT = {
     ROOT / "README.md": (
         "['545', '26', '700']",
         "['901']",
-        "Context in priority order: [26] > [545] > [901].",
+        'Please refer to the passage "Jury selection began on…" in the previous conversation.',
         "['545', '26', '901'] 2",
+        "Context in priority order, by position: #2 > #1 > #3.",
     ),
     ROOT / "docs" / "frameworks.md": ("'cache_read'", "reports: 1\n"),
 }

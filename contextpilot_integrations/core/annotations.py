@@ -7,6 +7,7 @@ information in plain words after the blocks, where they do not disturb the share
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -14,14 +15,22 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from .blocks import Block
 
-__all__ = ["Templates", "parse_order_annotation", "render_block", "render_position_order"]
+__all__ = [
+    "Templates",
+    "opening",
+    "parse_order_annotation",
+    "render_block",
+    "render_position_order",
+    "render_reference",
+]
 
 
 class Templates(BaseModel):
     """The strings used to render a prepared request (all configurable).
 
     Placeholders: ``{label}`` and ``{text}`` in ``block``; ``{label}`` in ``reference``
-    and ``order_item``; ``{order}`` in ``order``; ``{query}`` in ``question``.
+    and ``order_item``; ``{opening}`` in ``quote_reference``; ``{order}`` in ``order``;
+    ``{query}`` in ``question``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,6 +38,9 @@ class Templates(BaseModel):
     block: str = "[{label}] {text}"
     separator: str = "\n\n"
     reference: str = "Please refer to [{label}] in the previous conversation."
+    quote_reference: str = 'Please refer to the passage "{opening}…" in the previous conversation.'
+    """The reference to a block an earlier turn sent as its text alone (no label to name
+    it by): the block's first :data:`QUOTE_WORDS` words, found verbatim in that turn."""
     order: str = "Context in priority order: {order}."
     order_item: str = "[{label}]"
     order_joiner: str = " > "
@@ -46,6 +58,7 @@ class Templates(BaseModel):
         required = {
             "block": ("{label}", "{text}"),
             "reference": ("{label}",),
+            "quote_reference": ("{opening}",),
             "order": ("{order}",),
             "order_item": ("{label}",),
             "question": ("{query}",),
@@ -71,9 +84,29 @@ def render_block(block: Block, templates: Templates = DEFAULT_TEMPLATES, labelle
     return templates.block.format(label=block.label, text=block.text) if labelled else block.text
 
 
-def render_reference(block: Block, templates: Templates = DEFAULT_TEMPLATES) -> str:
-    """The location annotation that replaces a block sent in an earlier turn."""
-    return templates.reference.format(label=block.label)
+def render_reference(block: Block, templates: Templates = DEFAULT_TEMPLATES, labelled: bool = True) -> str:
+    """The location annotation that replaces a block sent in an earlier turn: by its label
+    where that turn sent it labelled, else by quoting its opening words."""
+    if labelled:
+        return templates.reference.format(label=block.label)
+    return templates.quote_reference.format(opening=opening(block.text))
+
+
+_WORD = re.compile(r"\S+")
+QUOTE_WORDS, QUOTE_CHARS = 4, 40
+"""How much of a block a quote reference names: its first words, few enough to cost little
+and enough to tell a conversation's blocks apart (two that begin alike are never quoted),
+cut at a number of characters (text without spaces, one long word)."""
+
+
+def opening(text: str, words: int = QUOTE_WORDS, chars: int = QUOTE_CHARS) -> str:
+    """The first ``words`` words of ``text``, at most ``chars`` characters, verbatim (so
+    they are found in any copy of it)."""
+    matches = list(itertools.islice(_WORD.finditer(text), words))
+    if not matches:
+        return ""
+    start = matches[0].start()
+    return text[start : min(matches[-1].end(), start + chars)]
 
 
 def render_order(ranking: Sequence[Block], templates: Templates = DEFAULT_TEMPLATES) -> str:

@@ -238,7 +238,6 @@ def choose_order(
     budget: float = math.inf,
     retrieval_chance: Chance | None = None,
     prompt_tokens: int = 0,
-    labelled: tuple[Sequence[str], int] | None = None,
     follow_cost: int = 0,
 ) -> Choice:
     """The send that pays best; ties go to the one that changes less.
@@ -269,9 +268,6 @@ def choose_order(
             partners follow the planned order, not this one's).
         prompt_tokens: the rest of the prompt (the question): a request fits the cache
             with it, and with its labels and annotation.
-        labelled: in the one-text forms, (an order onto a labelled prefix the index holds,
-            its labels' and label-annotation's tokens): a candidate too, where a
-            conversation left labelled blocks cached.
         follow_cost: what a later request pays to line up with this one's prefix (about
             this one's annotation: it is most often reordered too), taken from the later
             reuse where no score keeps the bets honest (partners in a batch sent in order:
@@ -302,8 +298,6 @@ def choose_order(
         add(retrieval, True, None if plain_ok else retrieval_chance or chance, label_cost)
     if list(proposed) != list(retrieval):
         add(proposed, not one_text, chance, annotation_cost + (0 if one_text else label_cost))
-    if labelled is not None and one_text:
-        add(labelled[0], True, None, labelled[1])
     paid_now = max(now_value for _, now_value, _, _ in candidates)
     affordable = [c for c in candidates if paid_now - c[1] <= budget]  # a bet loses at most the budget now
     best = max(value for value, _, _, _ in affordable)

@@ -27,6 +27,13 @@ class Reference:
     """The conversation turn (0-based) that sent the block in full."""
     text: str
     """The location annotation, e.g. "Please refer to [Doc_3] in the previous conversation."."""
+    labelled: bool = True
+    """Whether that turn sent the block with its label (the reference names it); else the
+    reference quotes the block's opening words."""
+
+    def target(self, templates: Templates = DEFAULT_TEMPLATES) -> str:
+        """The text that must come before the reference in the messages for it to be sound."""
+        return render_block(self.block, templates, self.labelled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +42,9 @@ class PreparedRequest:
 
     Render it with :meth:`render` (prompt text) or :meth:`to_messages` (chat messages):
     blocks first, so the prefix is shared; then references, the order annotation and the
-    question, which are specific to this request.
+    question, which are specific to this request. Blocks sent as their text alone in the
+    retriever's order (a later turn of a conversation) keep each reference in its block's
+    place instead: the model reads the retriever's order, with no annotation.
     """
 
     request_id: str
@@ -73,7 +82,7 @@ class PreparedRequest:
         neither does one ContextPilot did not reorder)."""
         if not self.annotate_order or not self.ranking:
             return ""
-        read = [block.id for block in self.blocks] + [reference.block.id for reference in self.references]
+        read = [part.block.id if isinstance(part, Reference) else part.id for part in self.sequence]
         if read == [block.id for block in self.ranking]:
             return ""
         if self.labels:
@@ -81,6 +90,17 @@ class PreparedRequest:
         sent = {block.id for block in self.blocks}  # references (labelled requests only) have no position
         ranking = [block for block in self.ranking if block.id in sent]
         return render_position_order(ranking, self.blocks, self.templates, moved_only=self.order_form == "moved")
+
+    @property
+    def sequence(self) -> list[Block | Reference]:
+        """What the model reads, in order: blocks sent in full and references (each in its
+        block's place where the blocks go out as their text alone in the retriever's order,
+        else after the blocks)."""
+        if self.labels or not self.references or self.reordered:
+            return [*self.blocks, *self.references]
+        parts: dict[str, Block | Reference] = {block.id: block for block in self.blocks}
+        parts.update((reference.block.id, reference) for reference in self.references)
+        return [parts[block.id] for block in self.ranking if block.id in parts]
 
     @property
     def reordered(self) -> bool:
@@ -95,10 +115,11 @@ class PreparedRequest:
         return sum(block.token_count for block in self.blocks)
 
     def render_context(self) -> str:
-        """The blocks (the shareable prefix), then the location references."""
-        parts = [render_block(block, self.templates, self.labels) for block in self.blocks]
-        parts.extend(reference.text for reference in self.references)
-        return self.templates.separator.join(parts)
+        """The blocks (the shareable prefix) and the location references (:attr:`sequence`)."""
+        return self.templates.separator.join(
+            part.text if isinstance(part, Reference) else render_block(part, self.templates, self.labels)
+            for part in self.sequence
+        )
 
     def render(self, include_question: bool = True) -> str:
         """The full user prompt: context, order annotation, question."""
@@ -117,30 +138,37 @@ class PreparedRequest:
         messages += [{"role": str(m["role"]), "content": str(m["content"])} for m in history]
         messages.append({"role": "user", "content": self.render()})
         texts = [m["content"] for m in messages]
-        if resolve_references(texts, self.references, self.templates):
+        if resolve_references(texts, self.references, self.templates, self.labels):
             messages[-1]["content"] = texts[-1]
         return messages
 
 
 def resolve_references(
-    texts: MutableSequence[str], references: Iterable[Reference], templates: Templates = DEFAULT_TEMPLATES
+    texts: MutableSequence[str],
+    references: Iterable[Reference],
+    templates: Templates = DEFAULT_TEMPLATES,
+    labels: bool = True,
 ) -> list[str]:
     """Put back the full text of every reference whose block is not rendered before it in
     ``texts`` (a request's messages, in order; edited in place): a reference of the current
-    turn, or of an earlier turn whose message is sent again. Returns the block ids restored."""
+    turn, or of an earlier turn whose message is sent again. ``labels``: whether the request
+    renders its blocks labelled (how a restored block is written). Returns the block ids
+    restored."""
     restored = []
     for reference in references:
-        target = render_block(reference.block, templates)
+        target = reference.target(templates)
         for index, text in enumerate(texts):
             position = text.find(reference.text)
             if position == -1:
                 continue
             if not any(target in before for before in texts[:index]) and target not in text[:position]:
-                texts[index] = text[:position] + target + text[position + len(reference.text) :]
+                full = render_block(reference.block, templates, labels)
+                texts[index] = text[:position] + full + text[position + len(reference.text) :]
                 restored.append(reference.block.id)
             break
     return restored
 
 
-def make_reference(block: Block, turn: int, templates: Templates) -> Reference:
-    return Reference(block=block, turn=turn, text=render_reference(block, templates))
+def make_reference(block: Block, turn: int, templates: Templates, labelled: bool = True) -> Reference:
+    """The reference to ``block`` as ``turn`` sent it (``labelled`` or as its text alone)."""
+    return Reference(block, turn, render_reference(block, templates, labelled), labelled)

@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from .annotations import Templates
+from .annotations import Templates, render_reference
 from .blocks import Block
 from .gain import TokenCounter
 from .usage import MAX_TOKENS
@@ -94,15 +94,20 @@ class TokenUnits:
         """The blocks, each without a given token count counted in these units."""
         return [block if block.tokens is not None else block.counted(max(1, self(block.text))) for block in blocks]
 
-    def request(self, blocks: Sequence[Block], question: str, templates: Templates, labels: bool) -> None:
+    def request(
+        self, blocks: Sequence[Block], question: str, templates: Templates, labels: bool, quotes: bool = False
+    ) -> None:
         """Count, off the lock, the pieces a request's decision weighs besides its blocks:
         the question line, the annotation's frame and position items (see
-        :func:`.gain.annotation_tokens`), and where labels may be weighed (``labels``: a
-        conversation, the paper's form, a labelled prefix cached) each block's label,
-        reference and place in a labelled ranking."""
+        :func:`.gain.annotation_tokens`); where labels may be weighed (``labels``: the
+        paper's form) each block's label, reference and place in a labelled ranking; and
+        where a block may be quoted (``quotes``: a conversation's turn sent as its text
+        alone) each block's quote reference."""
         texts = [templates.question.format(query=question), templates.order_joiner, templates.moved_joiner]
         texts += [templates.position_order.format(order=""), templates.moved_order.format(order="")]
         texts += [templates.position_item.format(position=p) for p in range(1, len(blocks) + 1)]
+        if quotes:
+            texts += [render_reference(block, templates, labelled=False) for block in blocks]
         if not labels:
             self.prefetch(texts)
             return

@@ -192,23 +192,34 @@ def restore_references(prepared: PreparedRequest, texts: MutableSequence[str]) -
     in ``texts`` (the outgoing messages' texts, in order; edited in place). A reference may
     stay only if the block text it points to comes before it in the same request.
     Returns the ids of the blocks restored (sent in full after all)."""
-    return resolve_references(texts, prepared.references, prepared.templates)
+    return resolve_references(texts, prepared.references, prepared.templates, prepared.labels)
 
 
 def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
-    """The labels of location references in ``texts`` (a request's messages, in order) whose
-    block is not rendered before them: what the model would be told to find but cannot.
-    An audit for tests and logs; the chat model classes prevent it with
-    :func:`restore_references`."""
+    """The location references in ``texts`` (a request's messages, in order) whose block is
+    not rendered before them: what the model would be told to find but cannot, each as it
+    names the block (``[label]``, or the quoted opening words). A quote counts as found only
+    in text outside other references. An audit for tests and logs; the chat model classes
+    prevent it with :func:`restore_references`."""
     head, _, tail = templates.reference.partition("{label}")
-    pattern = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail))
+    by_label = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail))
+    head, _, tail = templates.quote_reference.partition("{opening}")
+    by_quote = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail), re.DOTALL)
     block_head = templates.block.split("{text}")[0]
     joined = "\n".join(texts)
-    return [
-        match.group(1)
-        for match in pattern.finditer(joined)
+    dangling = [
+        f"[{match.group(1)}]"
+        for match in by_label.finditer(joined)
         if block_head.format(label=match.group(1)) not in joined[: match.start()]
     ]
+    outside: list[str] = []  # the text between quote references, up to the one at hand
+    cursor = 0
+    for match in by_quote.finditer(joined):
+        outside.append(joined[cursor : match.start()])
+        cursor = match.end()
+        if not any(match.group(1) in text for text in outside):
+            dangling.append(f'"{match.group(1)}"')
+    return dangling
 
 
 def message_texts(body: Mapping[str, Any]) -> list[str]:
@@ -260,7 +271,7 @@ def invariant_breaches(bodies: Iterable[Mapping[str, Any]], templates: Templates
     ids: Counter[str] = Counter()
     for body in bodies:
         breaches += [
-            f"reference to [{label}] without its text" for label in dangling_references(message_texts(body), templates)
+            f"reference to {name} without its text" for name in dangling_references(message_texts(body), templates)
         ]
         rid = body.get("rid") or body.get("request_id")
         if rid is not None:

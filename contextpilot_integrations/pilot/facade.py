@@ -62,8 +62,7 @@ class ContextPilot:
             ``"positions"`` (default: each block is its text alone, the ranking restated by position,
             so a block is the same text whether its request is reordered or not), ``"moved"`` (only
             the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
-            restated by label). A conversation labels its blocks only where later turns are expected
-            to refer to them for more than the labels cost (:mod:`contextpilot_integrations.core.conversations`).
+            restated by label).
         token_counter: the engine's tokenizer (:class:`~.engines.EngineTokenCounter`): blocks without
             ``tokens``, labels and annotation are weighed in its units (default: four characters a token).
         page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown).

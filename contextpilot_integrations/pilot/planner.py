@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..core.annotations import Templates
 from ..core.blocks import Block, BlockLike, normalize_blocks
-from ..core.conversations import ConversationStore, decide_turn, labels_pay
+from ..core.conversations import ConversationStore, decide_turn
 from ..core.gain import (
     Balance,
     Chance,
@@ -69,7 +69,6 @@ class Outlook:
     retention: Retention = field(default_factory=Retention)  # how much of the predicted reuse the engine delivers
     cooccurrence: Cooccurrence = field(default_factory=Cooccurrence)  # what this traffic shows about later reuse
     balance: Balance = field(default_factory=Balance)  # what the sends bought, less what they cost
-    labelled_sends: int = 0  # requests sent labelled: a one-text request may follow their prefix
 
 
 class Settings(Protocol):
@@ -139,8 +138,8 @@ class Planner:
         if units is None:
             return blocks
         blocks = units.blocks(blocks)
-        labels = conversation_id is not None or self.order_form == "labels" or not self.plain_prompts
-        units.request(blocks, query, self.templates, labels or self.outlook.labelled_sends > 0)
+        labels = self.order_form == "labels" or not self.plain_prompts
+        units.request(blocks, query, self.templates, labels, quotes=conversation_id is not None and self.plain_prompts)
         return blocks
 
     @property
@@ -187,11 +186,10 @@ class Planner:
         dedup = None
         if conversation_id is not None:
             dedup = self.conversations.split(conversation_id, blocks, kept_turns)
-            if dedup.turn and self.plain_prompts:  # labels and references only where they pay
-                rate = self.conversations.repeats.rate
-                dedup = decide_turn(dedup, blocks, rate, self.templates, self.token_counter, self.annotate_order)
+            if dedup.turn and self.plain_prompts:  # references only where they cost less
+                dedup = decide_turn(dedup, blocks, self.templates, self.token_counter)
             turn, fresh = dedup.turn, dedup.fresh
-            references = tuple([make_reference(b, t, self.templates) for b, t in dedup.repeated])
+            references = tuple([make_reference(b, t, self.templates, labelled) for b, t, labelled in dedup.repeated])
         cached_blocks = cached_tokens = 0
         labels = True
         if turn:
@@ -203,12 +201,11 @@ class Planner:
                 self.state.strategy.forget(rid)
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
-            plain_ok = self.plain_ok(conversation_id, blocks)
             if planned_order is None:
-                followed = self.state.strategy.order(rid, self.strategy_keys(keys, plain_ok))
+                followed = self.state.strategy.order(rid, self.strategy_keys(keys))
                 planned_order = key_blocks(followed)
             bets = conversation_id is None or not self.plain_prompts
-            choice = self.worth_it(planned_order, keys, blocks, by_id, plain_ok, query, chance, concurrent, bets)
+            choice = self.worth_it(planned_order, keys, blocks, by_id, query, chance, concurrent, bets)
             order, labels = choice.order, choice.labels
             if dedup is not None:
                 dedup = replace(dedup, labelled=labels)
@@ -216,7 +213,6 @@ class Planner:
             self.outlook.balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
             indexed = labelled_keys(order) if labels else plain_keys(order)
-            self.outlook.labelled_sends += labels
             if choice.cached:
                 cached_blocks = self.state.record(rid, indexed, sent)
             else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
@@ -247,19 +243,10 @@ class Planner:
         )
         return prepared
 
-    def plain_ok(self, conversation_id: str | None, blocks: list[Block]) -> bool:
-        """Whether a request (a conversation's first turn) may go out without labels: always
-        outside a conversation, and in one unless later turns are expected to refer to its
-        blocks for more than the labels cost (:func:`contextpilot_integrations.core.conversations.labels_pay`)."""
-        if not self.plain_prompts or conversation_id is None:
-            return self.plain_prompts
-        rate = self.conversations.repeats.rate
-        return not labels_pay(blocks, rate, self.templates, self.token_counter)
-
-    def strategy_keys(self, keys: list[str], plain_ok: bool) -> list[str]:
+    def strategy_keys(self, keys: list[str]) -> list[str]:
         """The index keys the strategy orders by: the text alone (one text per block) unless
-        the blocks will carry labels (a conversation, the paper's form)."""
-        return plain_keys(keys) if plain_ok and self.order_form != "labels" else labelled_keys(keys)
+        the blocks will carry labels (the paper's form)."""
+        return plain_keys(keys) if self.plain_prompts and self.order_form != "labels" else labelled_keys(keys)
 
     def worth_it(
         self,
@@ -267,14 +254,12 @@ class Planner:
         keys: list[str],
         ranking: list[Block],
         by_id: dict[str, Block],
-        plain_ok: bool,
         query: str,
         chance: Chance | None,
         concurrent: bool = False,
         bets: bool = True,
     ) -> Choice:
-        """The send that pays best for this request (:mod:`.gain`). A conversation's blocks
-        keep their labels: later turns refer to them by label. ``chance``: that a later
+        """The send that pays best for this request (:mod:`.gain`). ``chance``: that a later
         request carries a block after another (default: what this traffic showed, bet only
         from what earlier sends bought; given for a batch sent in order: partners are sure).
         ``concurrent``: part of a burst whose callers send at once: nothing is bet on before
@@ -283,22 +268,13 @@ class Planner:
         conversation's first turn, reordered only where that pays now (its later turns
         follow their own history, which the index does not see)."""
         trie = self.state.trie
+        plain_ok = self.plain_prompts
         one_text = plain_ok and self.order_form != "labels"
         count = self.token_counter
         annotation = 0
         if self.annotate_order and order != keys:
             form: Form = self.order_form if one_text else "labels"
             annotation = annotation_tokens(ranking, self.templates, [by_id[key] for key in order], form, count)
-        labelled = None
-        if one_text and self.outlook.labelled_sends:  # a conversation may have left labelled blocks cached
-            head = key_blocks(trie.best_prefix(labelled_keys(keys)))
-            if head:
-                taken = set(head)
-                onto = head + [key for key in order if key not in taken]
-                cost = label_tokens(ranking, self.templates, count)
-                if self.annotate_order and onto != keys:
-                    cost += annotation_tokens(ranking, self.templates, None, "labels", count)
-                labelled = (onto, cost)
         budget = math.inf if chance is not None and not concurrent else self.outlook.balance.budget
         return choose_order(
             order,
@@ -316,7 +292,6 @@ class Planner:
             budget=budget if bets else 0.0,
             retrieval_chance=self.outlook.cooccurrence.chance,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
-            labelled=labelled,
             follow_cost=annotation if chance is not None and not concurrent else 0,
         )
 
@@ -369,12 +344,9 @@ class Planner:
             if len(set(ids)) != len(ids):
                 raise DuplicateRequestError("request ids repeat within the batch")
             self.state.reserved.update(ids)  # no concurrent prepare can take them meanwhile
-            plain_ok = [
-                self.plain_ok(item.conversation_id, blocks) for item, (blocks, _) in zip(items, normalized, strict=True)
-            ]
         try:
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
-            followed = [(rid, self.strategy_keys(keys, ok)) for (rid, keys), ok in zip(batch, plain_ok, strict=True)]
+            followed = [(rid, self.strategy_keys(keys)) for rid, keys in batch]
             tokens = {
                 key: block.token_count
                 for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)

@@ -126,7 +126,7 @@ class Reports:
             return
         self.counters.references_restored += len(restored)
         if prepared.conversation_id is not None and prepared.turn is not None:
-            self.conversations.carry(prepared.conversation_id, prepared.turn, restored)
+            self.conversations.carry(prepared.conversation_id, prepared.turn, restored, prepared.labels)
 
     def sent_elsewhere(self, request_id: str, order: list[str]) -> bool:
         """Another worker sent this request to the engine this pilot models: index it as if

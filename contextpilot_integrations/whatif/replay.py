@@ -32,7 +32,7 @@ from typing import Literal, TypeVar
 from ..core.annotations import DEFAULT_TEMPLATES, render_order
 from ..core.blocks import Block
 from ..core.gain import label_tokens
-from ..core.prepared import PreparedRequest
+from ..core.prepared import PreparedRequest, Reference
 from ..pilot import BatchRequest, ContextPilot
 from .simulate import BlockSpec, RadixCacheSimulator, SimulatedRequest
 from .trace import TraceRequest, estimate_tokens, turns_in_order
@@ -171,18 +171,21 @@ def prompt_units(
     """A request's own prompt as cache units: blocks (shared by id), then its references,
     annotation and question (its own). Returns (units, block tokens, reference tokens)."""
     rid = prepared.request_id
-    if shape.labels and prepared.labels:
-        units: list[BlockSpec] = [
-            (("block", b.id), b.token_count + label_tokens([b], prepared.templates)) for b in prepared.blocks
-        ]
-    else:  # as sent without ContextPilot: the text alone (not the same prefix as a labelled block)
-        units = [(("plain", b.id), b.token_count) for b in prepared.blocks]
-    block_tokens = sum(tokens for _, tokens in units)
-    reference_tokens = 0
-    for reference in prepared.references:
-        tokens = estimate_tokens(reference.text)
-        reference_tokens += tokens
-        units.append(_unit("reference", rid, tokens, reference.block.id))
+    labelled = shape.labels and prepared.labels
+    units: list[BlockSpec] = []
+    block_tokens = reference_tokens = 0
+    for part in prepared.sequence:  # as read: references in their blocks' places, or after them
+        if isinstance(part, Reference):
+            tokens = estimate_tokens(part.text)
+            reference_tokens += tokens
+            units.append(_unit("reference", rid, tokens, part.block.id))
+        elif labelled:
+            tokens = part.token_count + label_tokens([part], prepared.templates)
+            block_tokens += tokens
+            units.append((("block", part.id), tokens))
+        else:  # as sent without ContextPilot: the text alone (not the same prefix as a labelled block)
+            block_tokens += part.token_count
+            units.append((("plain", part.id), part.token_count))
     if shape.annotate and prepared.order_annotation:  # none when the retriever's order is kept
         units.append(_unit("annotation", rid, estimate_tokens(prepared.order_annotation)))
     if shape.questions:

@@ -13,6 +13,7 @@ from contextpilot_integrations import (
     BlockTypeError,
     InvalidBlockError,
     PreparedRequest,
+    Reference,
     content_id,
     render_block,
 )
@@ -65,7 +66,7 @@ def to_blocks(documents: Sequence[Document]) -> list[Block]:
 
 
 def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
-    """The retrieved documents in send order (sent ones, then referenced ones), annotated in
+    """The retrieved documents in the order the model reads them (:attr:`PreparedRequest.sequence`), annotated in
     ``metadata["contextpilot"]`` (never as an extra document); blank documents last, as
     given (they carry no text, so where they go changes nothing the model reads)."""
     by_id: dict[str, Document] = {}
@@ -79,14 +80,17 @@ def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> l
     }
     ranks = {block.id: rank for rank, block in enumerate(prepared.ranking)}
     out = []
-    for position, block in enumerate(prepared.blocks):
-        rendered = render_block(block, prepared.templates, prepared.labels)
-        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": position, "text": rendered}
-        out.append(_annotated(by_id[block.id], {**info, "reference": None}))
-    for reference in prepared.references:
-        block = reference.block
-        info = {**shared, "label": block.label, "rank": ranks[block.id], "position": None, "text": None}
-        out.append(_annotated(by_id[block.id], {**info, "reference": reference.text}))
+    position = 0
+    for part in prepared.sequence:  # as the model reads them: references after the blocks, or in place
+        fields: dict[str, Any]
+        if isinstance(part, Reference):
+            block, fields = part.block, {"position": None, "text": None, "reference": part.text}
+        else:
+            block, rendered = part, render_block(part, prepared.templates, prepared.labels)
+            fields = {"position": position, "text": rendered, "reference": None}
+            position += 1
+        info = {**shared, "label": block.label, "rank": ranks[block.id], **fields}
+        out.append(_annotated(by_id[block.id], info))
     return out + [document for document in documents if is_blank(document)]
 
 

@@ -234,7 +234,7 @@ def _question_and_history(input: Any) -> tuple[str, list[BaseMessage] | None]:
 def _resolved(history: list[BaseMessage], requests: list[PreparedRequest]) -> list[BaseMessage]:
     """The history with every reference whose target it does not carry written out in full."""
     texts = [_text(message) for message in history]
-    restored = [resolve_references(texts, request.references, request.templates) for request in requests]
+    restored = [resolve_references(texts, r.references, r.templates, r.labels) for r in requests]
     if not any(restored):
         return history
     return [

@@ -13,20 +13,18 @@ __all__ = ["format_documents", "format_documents_runnable"]
 
 
 def format_documents(documents: Sequence[Document]) -> str:
-    """The blocks (the shared prefix), the location references, then the order annotation.
+    """The documents in the order given (ContextPilot's: the blocks, the shared prefix, and
+    the location references, each in the place the model reads it), then the order annotation.
 
     Documents without ContextPilot metadata are rendered as plain text blocks.
     """
-    blocks, references, annotation, separator = [], [], "", "\n\n"
+    parts, annotation, separator = [], "", "\n\n"
     for document in documents:
         info = document.metadata.get(METADATA_KEY) or {}
-        if info.get("reference"):
-            references.append(info["reference"])
-        else:
-            blocks.append(info.get("text") or document.page_content)  # rendered with the pilot's template
+        parts.append(info.get("reference") or info.get("text") or document.page_content)  # the pilot's rendering
         annotation = info.get("order_annotation") or annotation
         separator = info.get("separator") or separator
-    return separator.join(part for part in [*blocks, *references, annotation] if part)
+    return separator.join(part for part in [*parts, annotation] if part)
 
 
 format_documents_runnable = RunnableLambda(format_documents, name="contextpilot_format")

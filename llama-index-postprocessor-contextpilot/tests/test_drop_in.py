@@ -66,7 +66,7 @@ class Recorder:
         return sum(len(dangling_references(message_texts(body))) for body in self.bodies)
 
     def references(self) -> int:
-        return sum("\n".join(message_texts(body)).count("Please refer to [") for body in self.bodies)
+        return sum("\n".join(message_texts(body)).count("Please refer to ") for body in self.bodies)
 
     def ids(self) -> list[str]:
         return [body["rid"] for body in self.bodies]

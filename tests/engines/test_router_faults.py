@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -30,11 +30,12 @@ from hypothesis import strategies as st
 from contextpilot_integrations import BatchRequest, Block, MicroBatcher
 from contextpilot_integrations.engines import EngineTimeout, EngineUnavailable, Router, RoutingClient, Target
 from contextpilot_integrations.errors import BlockTypeError, DuplicateRequestError
+from contextpilot_integrations.pilot.binding import dangling_references
 from tests.thread_support import in_thread
 
 ROUTINGS = Router.ROUTINGS
 POOL = {name: Block(id=name, text=f"Document {name}: " + f"the facts about {name}. " * 30) for name in "WXYZ"}
-REFERENCE = re.compile(r"Please refer to \[([^\]]+)\]")
+REFERENCE = "Please refer to "
 
 
 def docs(*names: str) -> list[Block]:
@@ -126,16 +127,13 @@ def targets_of(replicas: list[Replica]) -> list[Target]:
 def assert_every_reference_is_carried(replicas: list[Replica]) -> int:
     """Every reference any replica received names a document whose text is in the messages
     of that same request (the history the caller sent). Returns how many were checked."""
-    by_label = {block.label: block for block in POOL.values()}
     checked = 0
     for replica in replicas:
         for body in replica.bodies:
             messages = [str(m.get("content") or "") for m in body["messages"]]
-            for label in REFERENCE.findall(messages[-1]):
-                assert any(by_label[label].text in m for m in messages[:-1]), (
-                    f"{replica.name} got a reference to {label} without its text: {messages!r:.400}"
-                )
-                checked += 1
+            dangling = Counter(dangling_references(messages)) - Counter(dangling_references(messages[:-1]))
+            assert not dangling, f"{replica.name} got references without their text: {dangling} in {messages!r:.400}"
+            checked += messages[-1].count(REFERENCE)
     return checked
 
 

@@ -35,16 +35,16 @@ def test_contextpilot_computes_no_more_than_the_prompt_without_it(mode: Mode, fr
     assert ours.hit_ratio >= without.hit_ratio
 
 
-def test_the_baseline_prompt_carries_no_labels_and_contextpilots_does() -> None:
-    """Labels are prompt tokens: the baseline (the user's prompt) has none, ContextPilot pays for its own."""
+def test_the_baseline_prompt_and_a_conversations_turns_carry_no_labels() -> None:
+    """Labels are prompt tokens: the baseline (the user's prompt) has none, and neither has a
+    conversation's turn: its blocks are their text alone, later turns quote them (issue 29)."""
     single, chat = traces()
     trace = single[:200]
     without = replay(trace, "retrieval", "online", None)
     blocks = sum(sum(r.token_counts()) for r in trace)
     assert without.block_tokens == blocks
-    # conversations label their turns where later turns refer to them (issue 29): paid for in full
     plan: list[dict[str, object]] = []
-    labelled = replay(chat[:200], "retrieval", "chat", None, plan_out=plan)
+    turns = replay(chat[:200], "trie", "chat", None, plan_out=plan)
     tokens = {block: count for r in chat[:200] for block, count in zip(r.blocks, r.token_counts(), strict=True)}
     sent = sum(tokens[block] for row in plan for block in row["blocks"])  # type: ignore[attr-defined]
-    assert sent < labelled.block_tokens
+    assert sent == turns.block_tokens and any(row["references"] for row in plan)

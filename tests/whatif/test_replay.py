@@ -130,10 +130,10 @@ def test_chat_by_hand() -> None:
     baseline = replay(trace, "retrieval", "chat", None, shape=SHAPE, deduplicate=False)
     # baseline: 5+200+7 = 212; then 212 + answer 11 + 200 + 7 = 430, of which 223 are cached
     assert (baseline.prompt_tokens, baseline.cached_tokens) == (212 + 430, 223)
-    # ours: a conversation's blocks carry labels (one token each: "[a] "), so turn 0 is 214
+    # ours: turn 0 is the baseline's; turn 1 quotes b in b's place
     reference = ours.reference_tokens
-    assert reference > 0 and ours.prompt_tokens == 214 + 214 + 11 + 101 + reference + 7
-    assert ours.cached_tokens == 225 and ours.prefill_tokens < baseline.prefill_tokens
+    assert reference > 0 and ours.prompt_tokens == 212 + 212 + 11 + reference + 100 + 7
+    assert ours.cached_tokens == 223 and ours.prefill_tokens < baseline.prefill_tokens
     assert plan[1] == {
         "id": "t1",
         "request_id": "r1",

@@ -62,7 +62,7 @@ def run_turns(agent: Any, questions: list[str], thread: str = "t1") -> list[dict
 
 def check_no_dangling_and_references_used(bodies: list[dict[str, Any]], pilot: ContextPilot) -> None:
     assert all(not dangling_references(texts(body)) for body in bodies)
-    assert sum("\n".join(texts(body)).count("Please refer to [") for body in bodies) > 0
+    assert sum("\n".join(texts(body)).count("Please refer to ") for body in bodies) > 0
     assert pilot.stats().blocks_referenced == 3  # the second turn's documents the first turn's result carries
     sent = json.dumps(bodies)
     assert TURN_KEY not in sent and REQUEST_KEY not in sent  # bookkeeping never leaves
@@ -80,8 +80,8 @@ def test_agent_on_anthropic_deduplicates_across_turns_and_marks_the_tool_results
         assert len(bodies) == 4  # per turn: the tool call, then the answer after the tool result
         check_no_dangling_and_references_used(bodies, pilot)
         tool_messages = [m for m in states[-1]["messages"] if isinstance(m, ToolMessage)]
-        assert len(tool_messages) == 2 and "Please refer to [" not in str(tool_messages[1].content)  # state: in full
-        assert "Please refer to [" in "\n".join(texts(bodies[3]))  # sent: as references
+        assert len(tool_messages) == 2 and "Please refer to " not in str(tool_messages[1].content)  # state: in full
+        assert "Please refer to " in "\n".join(texts(bodies[3]))  # sent: as references
         marks = [json.dumps(body).count('"cache_control"') for body in bodies]
         assert marks[1] >= 1 and marks[3] >= 1 and max(marks) <= 4  # the calls after a tool result
         usage = pilot.stats().provider_usage["anthropic"]
@@ -130,7 +130,7 @@ def test_a_trimmed_history_gets_the_referenced_text_back() -> None:
         )
         run_turns(agent, [QUERY, RELATED])
         assert all(not dangling_references(texts(body)) for body in fake.requests)
-        assert "Please refer to [" not in "\n".join(texts(fake.requests[-1]))
+        assert "Please refer to " not in "\n".join(texts(fake.requests[-1]))
         assert pilot.stats().references_restored == 3
 
 

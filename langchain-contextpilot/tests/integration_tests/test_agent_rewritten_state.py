@@ -97,14 +97,14 @@ def test_five_turns_with_a_rewritten_history_send_no_reference_without_its_text(
     everything = [*sent, *summary_bodies.sent]
     assert [label for body in everything for label in dangling_references(message_texts(body))] == []
     assert invariant_breaches(everything) == []
-    references = sum("\n".join(message_texts(body)).count("Please refer to [") for body in sent)
+    references = sum("\n".join(message_texts(body)).count("Please refer to ") for body in sent)
     stats = pilot.stats()
     if name == "trimmer":  # the previous turn is sent: its documents go out as references
         assert references == stats.blocks_referenced > 0 and stats.references_restored == 0
     else:  # the summary took the earlier results: every document goes out in full
         assert references == 0 and stats.references_restored == stats.blocks_referenced > 0
     state_tool_texts = [str(m.content) for m in states[-1]["messages"] if isinstance(m, ToolMessage)]
-    assert state_tool_texts and all("Please refer to [" not in text for text in state_tool_texts)  # state: in full
+    assert state_tool_texts and all("Please refer to " not in text for text in state_tool_texts)  # state: in full
     assert all(REFERENCES_KEY not in json.dumps(body) for body in everything)  # bookkeeping never leaves
 
 
@@ -118,7 +118,7 @@ def test_with_every_earlier_document_sent_a_tool_result_is_what_the_pilot_prepar
     first = pilot.prepare(to_blocks(RETRIEVER.invoke(QUERY)), QUERY, "c")
     second = pilot.prepare(to_blocks(RETRIEVER.invoke(RELATED)), RELATED, "c", kept_turns={first.turn or 0})
     content, spans = _written_out(second)
-    assert second.references and "Please refer to [" not in content
+    assert second.references and "Please refer to " not in content
     earlier = ToolMessage(content=first.render(include_question=False), tool_call_id="1")
     later = ToolMessage(
         content=content, tool_call_id="2", additional_kwargs={REFERENCES_KEY: spans, "contextpilot_request": "r2"}

@@ -70,7 +70,7 @@ def test_conversation_id_from_config_and_references() -> None:
     retriever.invoke(QUERY, config=config)
     second = retriever.invoke(QUERY, config=config)
     assert len(second) == 5 and all(d.metadata["contextpilot"]["reference"] for d in second)
-    assert "Please refer to [" in format_documents(second)
+    assert "Please refer to " in format_documents(second)
 
 
 def test_batch_with_mixed_conversations_and_async_parity() -> None:

@@ -11,7 +11,7 @@ from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from contextpilot_integrations import Block, BlockTypeError, InvalidBlockError, PreparedRequest
+from contextpilot_integrations import Block, BlockTypeError, InvalidBlockError, PreparedRequest, Reference
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import prepare_bound
 
@@ -79,11 +79,12 @@ def emit(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> None:
 
 
 def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
-    """Copies of the nodes in send order, labelled; originals (and the docstore) untouched.
+    """Copies of the nodes in the order the model reads them, labelled; originals (and the docstore) untouched.
     Blank nodes last, as given (no text: where they go changes nothing the LLM reads)."""
     by_id = {item.node.node_id: item for item in nodes if not is_blank(item)}
     out = []
-    for block in [*prepared.blocks, *(r.block for r in prepared.references)]:
+    for part in prepared.sequence:  # as the model reads them
+        block = part.block if isinstance(part, Reference) else part
         item = by_id[block.id]
         if not prepared.labels:  # sent as without ContextPilot: the node as retrieved
             out.append(item)
