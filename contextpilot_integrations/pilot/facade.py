@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -100,7 +101,7 @@ class ContextPilot:
         self._trie, self._strategy = self._state.trie, self._state.strategy
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
         self._lock: Any = threading.RLock()
-        self._planner = Planner(self._state, self._conversations, self)  # reads the settings above
+        self._planner = Planner(self._state, self._conversations, weakref.proxy(self))  # no cycle: freed when dropped
         self._reports = Reports(self._state, self._conversations, self._planner.outlook)
         self.shared: SharedIndex | None = share(self, shared)
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""

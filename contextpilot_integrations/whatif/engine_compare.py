@@ -359,7 +359,7 @@ def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: st
         return None
     tokenizer = EngineTokenizer(url, server.model if model == "default" and server.model else model)
     total = sum(len(p.sent) for p in passes)
-    with tqdm(total=total, desc="simulator", unit="req", leave=False, disable=not progress) as bar:
+    with tokenizer, tqdm(total=total, desc="simulator", unit="req", leave=False, disable=not progress) as bar:
         try:
             for one in passes:
                 requests = []
@@ -368,7 +368,7 @@ def _simulate(passes: Sequence[EnginePass], url: str, server: _Server, model: st
                     bar.update(1)
                 one.simulated_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
                 one.simulated_cached_tokens = sum(predict_cached(requests, shape))
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        except EngineError:
             for one in passes:  # the engine would not tokenize: no prediction rather than a partial one
                 one.simulated_prompt_tokens = one.simulated_cached_tokens = None
             return None

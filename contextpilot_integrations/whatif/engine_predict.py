@@ -19,17 +19,23 @@ two can be checked against each other. What makes the prediction match a real en
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from ..engines.tokens import TokenizeEndpoint
 from .simulate import BlockSpec, RadixCacheSimulator
 
 __all__ = ["CacheShape", "EngineTokenizer", "cache_shape", "predict_cached"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,35 +82,40 @@ def _find(data: Any, key: str) -> Any:
     return None
 
 
-class EngineTokenizer:
-    """The engine's own token ids for chat messages and answers (``POST /tokenize``),
-    remembered per text: the passes of a comparison send the same prompts again."""
+class EngineTokenizer(TokenizeEndpoint):
+    """The engine's own token ids for chat messages and answers (``POST /tokenize``, see
+    :class:`~..engines.tokens.TokenizeEndpoint`), remembered per request: the passes of a
+    comparison send the same prompts again. At most ``MAX_REMEMBERED``, the least recently used
+    forgotten first."""
 
     MAX_REMEMBERED = 20_000
 
     def __init__(self, base_url: str, model: str) -> None:
-        self.url, self.model = base_url.rstrip("/") + "/tokenize", model
-        self._seen: dict[str, tuple[int, ...]] = {}
+        super().__init__(base_url, model, timeout=60.0)
+        self._seen: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # a digest of the body -> its ids
+        self._seen_lock = threading.Lock()
 
     def messages(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
         """The prompt's ids, chat template and generation prompt included."""
-        body = {"model": self.model, "messages": [dict(m) for m in messages], "add_generation_prompt": True}
-        return self._tokenize(body)
+        return self._remembered([dict(m) for m in messages], super().messages, messages)
 
     def text(self, text: str) -> tuple[int, ...]:
         """A generated answer's ids, no special tokens added."""
-        return self._tokenize({"model": self.model, "prompt": text, "add_special_tokens": False}) if text else ()
+        return self._remembered(text, super().text, text)
 
-    def _tokenize(self, body: dict[str, Any]) -> tuple[int, ...]:
-        key = json.dumps(body, sort_keys=True)
-        ids = self._seen.get(key)
-        if ids is None:
-            response = httpx.post(self.url, json=body, timeout=60)
-            response.raise_for_status()
-            ids = tuple(int(t) for t in response.json()["tokens"])
-            if len(self._seen) >= self.MAX_REMEMBERED:
-                self._seen.clear()
+    def _remembered(self, request: object, tokenize: Callable[[_T], tuple[int, ...]], given: _T) -> tuple[int, ...]:
+        """``tokenize(given)``, remembered under ``request`` (its JSON form)."""
+        key = hashlib.blake2b(json.dumps([self.model, request], sort_keys=True).encode(), digest_size=16).digest()
+        with self._seen_lock:
+            ids = self._seen.get(key)
+            if ids is not None:
+                self._seen.move_to_end(key)
+                return ids
+        ids = tokenize(given)  # I/O: off the lock
+        with self._seen_lock:
             self._seen[key] = ids
+            while len(self._seen) > self.MAX_REMEMBERED:
+                self._seen.popitem(last=False)
         return ids
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -111,6 +112,54 @@ def test_a_dropped_pilot_closes_its_broker_client_after_sending_what_it_learned(
             assert keeper.shared.wait_caught_up(20.0)
             assert sorted(keeper.live_request_ids()) == sorted(f"req{n}" for n in range(20))
         finally:
+            keeper.shared.close()
+
+
+@needs_broker
+def test_a_pilot_dropped_at_any_moment_of_its_client_start_stops_it_without_the_collector() -> None:
+    """A dropped pilot is freed at once, so its client stops whatever the collector does: a
+    ``gc.collect()`` can leave a pilot in a reference cycle alive (another thread mid-collection
+    makes it a no-op; the client thread holding the pilot while it applies an entry keeps it),
+    and the client then ran until some later full collection. With the collector off: pilots
+    dropped right after construction, after a request, and while their client applies an entry."""
+    with NatsServer() as server:
+        options = SharedOptions(url=server.url, snapshot_interval=0)
+        keeper = ContextPilot(shared=options)
+        baseline = client_threads()
+        entered, release = threading.Event(), threading.Event()
+
+        def held_handler(conversation: str, target: str) -> None:  # runs on the client thread, in apply
+            entered.set()
+            release.wait(10)
+
+        gc.disable()
+        try:
+            dropped = []
+            for n in range(20):
+                pilot = ContextPilot(shared=options)
+                if n % 2:
+                    pilot.prepare(BLOCKS, "q", request_id=f"req{n}")
+                dropped.append(weakref.ref(pilot))
+                del pilot
+            assert not [ref for ref in dropped if ref() is not None], "dropped pilots wait for the collector"
+            pilot = ContextPilot(shared=options)
+            assert pilot.shared is not None
+            pilot.shared.on("stick", held_handler)
+            assert pilot.shared.wait_caught_up(20.0)
+            assert keeper.shared is not None
+            keeper.shared.publish("stick", "conversation", "target")
+            assert entered.wait(20.0)
+            held = weakref.ref(pilot)
+            del pilot
+            assert held() is not None  # the client thread holds it while it applies the entry
+            release.set()
+            deadline = time.monotonic() + 20
+            while (client_threads() > baseline or held() is not None) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held() is None and client_threads() == baseline, "clients of dropped pilots still run"
+        finally:
+            release.set()
+            gc.enable()
             keeper.shared.close()
 
 
