@@ -28,7 +28,7 @@ DOCUMENTED_OUTPUT = {
     ROOT / "README.md": (
         "['545', '26', '700']",
         "['901']",
-        'Please refer to the passage "Jury selection began on…" in the previous conversation.',
+        'Please refer to "Jury selection began on…" in the previous conversation.',
         "['545', '26', '901'] 2",
         "Context in priority order, by position: #2 > #1 > #3.",
     ),

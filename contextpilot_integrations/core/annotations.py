@@ -38,7 +38,7 @@ class Templates(BaseModel):
     block: str = "[{label}] {text}"
     separator: str = "\n\n"
     reference: str = "Please refer to [{label}] in the previous conversation."
-    quote_reference: str = 'Please refer to the passage "{opening}…" in the previous conversation.'
+    quote_reference: str = 'Please refer to "{opening}…" in the previous conversation.'
     """The reference to a block an earlier turn sent as its text alone (no label to name
     it by): the block's first :data:`QUOTE_WORDS` words, found verbatim in that turn."""
     order: str = "Context in priority order: {order}."

@@ -192,9 +192,10 @@ class Planner:
             references = tuple([make_reference(b, t, self.templates, labelled) for b, t, labelled in dedup.repeated])
         cached_blocks = cached_tokens = 0
         labels = True
-        if turn:
+        if turn and (kept_turns is None or kept_turns):
             # later turns start with this conversation's own history, which no other
-            # request shares: keep the retriever's order and leave the index alone
+            # request shares: keep the retriever's order and leave the index alone (a turn
+            # sent without history starts like any request: indexed, as a first turn is)
             sent = fresh
             labels = dedup is None or dedup.labelled
             if planned_order is not None:

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
-from contextpilot_integrations.core.gain import label_tokens
 from contextpilot_integrations.whatif.cli import main
 from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
@@ -22,7 +21,6 @@ from contextpilot_integrations.whatif.trace import (
     check_conversations,
     estimate_tokens,
     load_trace,
-    turns_in_order,
     working_set_tokens,
 )
 
@@ -113,7 +111,8 @@ def test_every_rendered_part_of_a_prompt_is_counted() -> None:
         rendered = prepared.render()
         pieces = len(prepared.blocks) + len(prepared.references) + 2  # blocks, references, annotation, question
         gap = estimate_tokens(rendered) - counted
-        assert 0 <= gap <= pieces, (request.id, gap, pieces)  # a separator or a rounding per piece, never more
+        # per piece at most a separator (2 characters) and a rounding (3): 5 characters, never more
+        assert 0 <= gap <= (5 * pieces + 3) // 4, (request.id, gap, pieces)
         checked += bool(prepared.labels or prepared.references)
     assert checked  # labelled or de-duplicated prompts were among them
 
@@ -170,7 +169,7 @@ def test_contextpilot_never_computes_more_than_retrieval_order(
     )
 
 
-# ---- chat over the family: a label or a reference only where it pays (issue 29) --------------------
+# ---- chat over the family: a reference only where it costs less, nothing bet (issue 29) ------------
 @pytest.mark.parametrize(
     ("spec", "fraction"),
     [
@@ -192,21 +191,22 @@ def test_chat_never_loses_on_a_named_family(name: str, fraction: float) -> None:
     assert ours <= without, f"{name} chat at {fraction:.0%}: {ours:,} > {without:,}"
 
 
-def test_conversations_that_never_come_back_cost_at_most_the_labels_sent_before_they_show_it() -> None:
-    """The residual of the prior (:class:`~contextpilot_integrations.core.conversations.Repeats`):
-    a fresh pilot labels turns for the references multi-turn conversations bring; where none
-    come (two-turn conversations sharing nothing, a 1% cache that keeps nothing), that costs
-    at most the labels of the turns sent until 32 turns came back to show it (the prior is
-    worth 16 blocks, a turn that comes back counts its conversation's last turn, and a turn
-    counts only once its conversation could have come back), sent and resent as history."""
+def test_conversations_that_never_come_back_cost_nothing() -> None:
+    """Two-turn conversations sharing nothing, a 1% cache that keeps nothing: no turn carries
+    labels for references that never come (the old rule bet them before the traffic showed
+    it, and lost up to the labels of 32 turns), so ContextPilot computes no more."""
     trace = generate(replace(FAMILIES["passages"], requests=120, turns=(2, 2), locality=0.0), seed=0)
     without, ours = _prefill(trace, "chat", 0.01)
-    conversations = [turns for _, turns in turns_in_order(trace)]
-    chat = [
-        turns[depth] for depth in range(max(map(len, conversations))) for turns in conversations if depth < len(turns)
-    ]
-    returns = [n for n, index in enumerate(chat) if trace[index].turn][:32]
-    pilot = ContextPilot()
-    sent = [trace[index] for index in chat[: returns[-1] + 1]]
-    bound = 2 * sum(label_tokens([Block(id=b, text=b) for b in r.blocks], pilot.templates) for r in sent)
-    assert ours - without <= bound, (ours - without, bound)
+    assert ours <= without, (ours, without)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(spec=families(), seed=st.integers(0, 2**16), fraction=st.floats(0.01, 1.0))
+def test_chat_never_computes_more_than_resending_every_block_over_the_family(
+    spec: Family, seed: int, fraction: float
+) -> None:
+    """Chat alone, over drawn families (histories of 0 to 6 turns): a turn's references and
+    sends depend on nothing still to come, so no draw loses (the labels the old rule bet on
+    later turns lost on about one draw in a hundred)."""
+    without, ours = _prefill(generate(spec, seed=seed), "chat", fraction)
+    assert ours <= without, f"chat at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
