@@ -198,7 +198,7 @@ def score(name: str, tally: Tally, seconds: float) -> Row:
         wiring=name,
         calls=len(tally.bodies),
         documents=sum(documents for _, _, documents in tally.prepared),
-        references=sum("\n".join(t).count("Please refer to [") for t in texts),
+        references=sum("\n".join(t).count("Please refer to ") for t in texts),
         dangling=sum(len(dangling_references(t)) for t in texts),
         misattributed=wrong,
         distinct_ids_sent=len({str(body.get("rid")) for body in tally.bodies}),

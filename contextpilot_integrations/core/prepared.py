@@ -169,6 +169,13 @@ def resolve_references(
     return restored
 
 
+def resolve_history(texts: MutableSequence[str], requests: Iterable[PreparedRequest]) -> bool:
+    """Write out, in ``texts`` (the history sent, in order; edited in place), every reference
+    of these earlier requests (oldest first) whose block the history no longer carries: a
+    kept turn's message may refer to a turn that left the window. Returns whether any was."""
+    return any([bool(resolve_references(texts, r.references, r.templates, r.labels)) for r in requests])
+
+
 def make_reference(block: Block, turn: int, templates: Templates, labelled: bool = True) -> Reference:
     """The reference to ``block`` as ``turn`` sent it (``labelled`` or as its text alone)."""
     return Reference(block, turn, render_reference(block, templates, labelled), labelled)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from ..core.annotations import DEFAULT_TEMPLATES
 from ..core.blocks import Block
-from ..core.prepared import PreparedRequest
+from ..core.prepared import PreparedRequest, resolve_history
 from ..core.usage import check_usage
 from ..engines.client import OpenAICompatClient
 from ..engines.tokens import EngineTokenCounter
@@ -469,6 +469,7 @@ class _Workloads:
         window = self.args.history_turns
         conversations = list(turns_in_order(self.chat))
         history: dict[str, list[list[dict[str, str]]]] = {name: [] for name, _ in conversations}
+        prepared: dict[str, list[PreparedRequest]] = {name: [] for name, _ in conversations}
         depth = 0
         while True:
             row = [(name, turns[depth]) for name, turns in conversations if depth < len(turns)]
@@ -478,10 +479,14 @@ class _Workloads:
                 request = self.chat[index]
                 turns = history[name]
                 kept = list(range(0 if window is None else max(0, len(turns) - window), len(turns)))
-                before = [m for turn in kept for m in turns[turn]]
+                before = [dict(m) for turn in kept for m in turns[turn]]
                 prompt: PreparedRequest | str
                 if ours:
+                    texts = [m["content"] for m in before]  # a kept turn may refer to one that left the window
+                    if resolve_history(texts, [prepared[name][turn] for turn in kept]):
+                        before = [{**m, "content": text} for m, text in zip(before, texts, strict=True)]
                     prompt = pilot.prepare(self.blocks(request), request.question or "", name, kept_turns=kept)
+                    prepared[name].append(prompt)
                 else:
                     prompt = plain_prompt(self.blocks(request), request.question or "")
                 answer = send(request.id, prompt, before, self.args.answer_tokens)

@@ -17,8 +17,9 @@ from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from contextpilot_integrations import BlockTypeError, PreparedRequest
+from contextpilot_integrations.core.prepared import resolve_history
 from contextpilot_integrations.integration.implicit import own_pilot
-from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound, resolve_references
+from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks
@@ -234,8 +235,7 @@ def _question_and_history(input: Any) -> tuple[str, list[BaseMessage] | None]:
 def _resolved(history: list[BaseMessage], requests: list[PreparedRequest]) -> list[BaseMessage]:
     """The history with every reference whose target it does not carry written out in full."""
     texts = [_text(message) for message in history]
-    restored = [resolve_references(texts, r.references, r.templates, r.labels) for r in requests]
-    if not any(restored):
+    if not resolve_history(texts, requests):
         return history
     return [
         message if _text(message) == text else message.model_copy(update={"content": text})

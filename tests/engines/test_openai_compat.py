@@ -138,10 +138,6 @@ def test_async_http_error(failing_server: str) -> None:
     assert pilot.stats().live_requests == 0
 
 
-@pytest.mark.breaches_allowed(
-    "the chat replay keeps one turn of history (--history-turns 1), whose message still refers to the "
-    "turn before it: a stale reference in the replayed history, not in the new turn"
-)
 def test_demo_compares_on_fresh_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every pass on a fresh llama-server (it has no /flush_cache), A B B A, per mode."""
     from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
