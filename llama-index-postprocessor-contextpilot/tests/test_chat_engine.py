@@ -84,3 +84,26 @@ def test_concurrent_conversations_share_one_pilot(index: VectorStoreIndex) -> No
         thread.join()
     assert not errors and pilot.stats().conversations == 4 and pilot.stats().requests_prepared == 12
     pilot.check()
+
+
+def test_a_kept_turn_that_refers_to_a_flushed_one_is_sent_with_the_documents() -> None:
+    """Turn 1 refers to turn 0's documents; once the memory keeps turn 1 but has flushed
+    turn 0, turn 1's message goes out with those documents written out: the model never
+    reads a reference to a message it is not sent."""
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.schema import TextNode
+
+    from contextpilot_integrations.pilot.binding import dangling_references
+
+    long = [TextNode(id_=f"doc{n}", text=f"Document {n} opens here, " + "words " * 150) for n in range(3)]
+    index = VectorStoreIndex(long, embed_model=MockEmbedding(embed_dim=8))
+    engine, llm = _engine(index, ContextPilot(), token_limit=400)
+    engine.chat("first question")
+    engine.chat("second question")
+    assert "Please refer to" in llm.last_chat_messages[-1].content  # turn 1 refers to turn 0
+    third = engine.chat("third question")
+    texts = [str(m.content or "") for m in llm.last_chat_messages]
+    assert "first question" not in "\n".join(texts) and "second question" in "\n".join(texts)  # turn 0 flushed
+    assert any("Please refer to" in str(m.content) for m in engine.chat_history)  # the memory keeps what was sent
+    assert dangling_references(texts) == []
+    assert all(item.node.get_content() in "\n".join(texts) for item in third.source_nodes)

@@ -16,6 +16,7 @@ from llama_index.core.memory import Memory
 from llama_index.core.schema import NodeWithScore
 
 from contextpilot_integrations import ContextPilot, PreparedRequest, render_block
+from contextpilot_integrations.core.prepared import resolve_history
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding
 
@@ -68,7 +69,8 @@ class ContextPilotChatEngine(BaseChatEngine):
         self._token_counter = token_counter
         self._tokens_per_char = 0.5  # cautious until the engine reports its first count
         self._conversation_id = f"li-{uuid.uuid4().hex}"
-        self._turn_texts: dict[int, str] = {}
+        self._turn_texts: dict[int, str] = {}  # the turns in memory: their user messages, as sent
+        self._turn_requests: dict[int, PreparedRequest] = {}  # ... and their prepared requests
         self._lock = threading.Lock()
         self.callback_manager = CallbackManager([])
         if not isinstance(llm, (SGLangLLM, ContextPilotLLM)):
@@ -116,6 +118,7 @@ class ContextPilotChatEngine(BaseChatEngine):
             self._pilot.end_conversation(self._conversation_id)
             self._conversation_id = f"li-{uuid.uuid4().hex}"
             self._turn_texts.clear()
+            self._turn_requests.clear()
 
     # ---- one turn ------------------------------------------------------------------------
     def _tokens(self, text: str) -> int:
@@ -158,9 +161,21 @@ class ContextPilotChatEngine(BaseChatEngine):
         shown = {m.content for m in history if m.role == MessageRole.USER}
         with self._lock:
             kept = {turn for turn, text in self._turn_texts.items() if text in shown}
+            for turn in set(self._turn_texts) - kept:  # left the memory: it never comes back
+                del self._turn_texts[turn], self._turn_requests[turn]
+            earlier = [self._turn_requests[turn] for turn in sorted(kept)]
             prepared = self._pilot.prepare(to_blocks(nodes), message, self._conversation_id, kept_turns=kept)
             user = ChatMessage(role=MessageRole.USER, content=prepared.render())
             self._turn_texts[prepared.turn or 0] = user.content  # type: ignore[assignment]
+            self._turn_requests[prepared.turn or 0] = prepared
+        texts = [str(m.content or "") for m in history]
+        if resolve_history(texts, earlier):  # a kept turn referred to one the memory dropped
+            history = [
+                m
+                if str(m.content or "") == t
+                else ChatMessage(role=m.role, content=t, additional_kwargs=m.additional_kwargs)
+                for m, t in zip(history, texts, strict=True)
+            ]
         emit(prepared, nodes)
         messages = [ChatMessage(role=MessageRole.SYSTEM, content=self._system_prompt)] if self._system_prompt else []
         return prepared, [*messages, *history, user], user
@@ -236,3 +251,10 @@ def _answer_tokens(llm: Any) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return DEFAULT_ANSWER_TOKENS
+
+
+def _with_text(message: ChatMessage, text: str) -> ChatMessage:
+    """``message``, or a copy of it with ``text`` where its text differs."""
+    if str(message.content or "") == text:
+        return message
+    return ChatMessage(role=message.role, content=text, additional_kwargs=message.additional_kwargs)
