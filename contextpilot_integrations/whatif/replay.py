@@ -358,7 +358,7 @@ class _Run:
         prompt = before + own
         served = self.cache.request(prepared.request_id, prompt, answer)
         self.tally.add(served, block_tokens, reference_tokens)
-        if not prepared.turn:  # indexed (later turns of a chat are not): feedback applies
+        if not prepared.turn or not history:  # indexed (later turns with history are not): feedback applies
             self.offsets[prepared.request_id] = (len(before), len(prepared.blocks))
         if self.plan_out is not None:
             row: dict[str, object] = {
