@@ -114,12 +114,13 @@ class PreparedRequest:
         """Tokens of the blocks sent in full."""
         return sum(block.token_count for block in self.blocks)
 
+    def rendered(self, part: Block | Reference) -> str:
+        """A part of :attr:`sequence` as this prompt shows it (a block: in full, labelled or not)."""
+        return part.text if isinstance(part, Reference) else render_block(part, self.templates, self.labels)
+
     def render_context(self) -> str:
         """The blocks (the shareable prefix) and the location references (:attr:`sequence`)."""
-        return self.templates.separator.join(
-            part.text if isinstance(part, Reference) else render_block(part, self.templates, self.labels)
-            for part in self.sequence
-        )
+        return self.templates.separator.join(map(self.rendered, self.sequence))
 
     def render(self, include_question: bool = True) -> str:
         """The full user prompt: context, order annotation, question."""

@@ -244,10 +244,16 @@ class Planner:
         )
         return prepared
 
+    @property
+    def one_text(self) -> bool:
+        """Whether a block is its text alone whichever way its request goes out (else the
+        paper's form: labelled)."""
+        return self.plain_prompts and self.order_form != "labels"
+
     def strategy_keys(self, keys: list[str]) -> list[str]:
         """The index keys the strategy orders by: the text alone (one text per block) unless
         the blocks will carry labels (the paper's form)."""
-        return plain_keys(keys) if self.plain_prompts and self.order_form != "labels" else labelled_keys(keys)
+        return plain_keys(keys) if self.one_text else labelled_keys(keys)
 
     def worth_it(
         self,
@@ -269,8 +275,7 @@ class Planner:
         conversation's first turn, reordered only where that pays now (its later turns
         follow their own history, which the index does not see)."""
         trie = self.state.trie
-        plain_ok = self.plain_prompts
-        one_text = plain_ok and self.order_form != "labels"
+        one_text = self.one_text
         count = self.token_counter
         annotation = 0
         if self.annotate_order and order != keys:
@@ -288,7 +293,7 @@ class Planner:
             form=self.order_form,
             cache_tokens=self.cache_tokens,
             page_tokens=self.settings.page_tokens or 1,
-            plain_ok=plain_ok,
+            plain_ok=self.plain_prompts,
             kept=self.outlook.retention.share_or(0.0 if concurrent else 1.0),
             budget=budget if bets else 0.0,
             retrieval_chance=self.outlook.cooccurrence.chance,

@@ -15,7 +15,6 @@ from contextpilot_integrations import (
     PreparedRequest,
     Reference,
     content_id,
-    render_block,
 )
 
 CONVERSATION_KEYS = ("conversation_id", "thread_id", "session_id")
@@ -86,8 +85,7 @@ def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> l
         if isinstance(part, Reference):
             block, fields = part.block, {"position": None, "text": None, "reference": part.text}
         else:
-            block, rendered = part, render_block(part, prepared.templates, prepared.labels)
-            fields = {"position": position, "text": rendered, "reference": None}
+            block, fields = part, {"position": position, "text": prepared.rendered(part), "reference": None}
             position += 1
         info = {**shared, "label": block.label, "rank": ranks[block.id], **fields}
         out.append(_annotated(by_id[block.id], info))

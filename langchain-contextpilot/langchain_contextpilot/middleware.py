@@ -35,7 +35,7 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolM
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
-from contextpilot_integrations import PreparedRequest, Reference, content_id, render_block
+from contextpilot_integrations import PreparedRequest, Reference, content_id
 from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
@@ -318,9 +318,7 @@ def _written_out(prepared: PreparedRequest) -> tuple[str, list[list[Any]]]:
     spans: list[list[Any]] = []
     length = 0
     parts = [
-        (render_block(part.block, templates, prepared.labels), part.text)
-        if isinstance(part, Reference)
-        else (render_block(part, templates, prepared.labels), None)
+        (prepared.rendered(part.block), part.text) if isinstance(part, Reference) else (prepared.rendered(part), None)
         for part in prepared.sequence
     ]
     for text, reference in [*parts, *(((prepared.order_annotation, None),) if prepared.order_annotation else ())]:

@@ -69,8 +69,8 @@ class ContextPilotChatEngine(BaseChatEngine):
         self._token_counter = token_counter
         self._tokens_per_char = 0.5  # cautious until the engine reports its first count
         self._conversation_id = f"li-{uuid.uuid4().hex}"
-        self._turn_texts: dict[int, str] = {}  # the turns in memory: their user messages, as sent
-        self._turn_requests: dict[int, PreparedRequest] = {}  # ... and their prepared requests
+        # the turns in memory: their user messages as sent, and their prepared requests
+        self._turns: dict[int, tuple[str, PreparedRequest]] = {}
         self._lock = threading.Lock()
         self.callback_manager = CallbackManager([])
         if not isinstance(llm, (SGLangLLM, ContextPilotLLM)):
@@ -117,8 +117,7 @@ class ContextPilotChatEngine(BaseChatEngine):
         with self._lock:
             self._pilot.end_conversation(self._conversation_id)
             self._conversation_id = f"li-{uuid.uuid4().hex}"
-            self._turn_texts.clear()
-            self._turn_requests.clear()
+            self._turns.clear()
 
     # ---- one turn ------------------------------------------------------------------------
     def _tokens(self, text: str) -> int:
@@ -160,14 +159,13 @@ class ContextPilotChatEngine(BaseChatEngine):
         history = self._fitting(message, nodes, history)
         shown = {m.content for m in history if m.role == MessageRole.USER}
         with self._lock:
-            kept = {turn for turn, text in self._turn_texts.items() if text in shown}
-            for turn in set(self._turn_texts) - kept:  # left the memory: it never comes back
-                del self._turn_texts[turn], self._turn_requests[turn]
-            earlier = [self._turn_requests[turn] for turn in sorted(kept)]
+            kept = {turn for turn, (text, _) in self._turns.items() if text in shown}
+            for turn in set(self._turns) - kept:  # left the memory: it never comes back
+                del self._turns[turn]
+            earlier = [self._turns[turn][1] for turn in sorted(kept)]
             prepared = self._pilot.prepare(to_blocks(nodes), message, self._conversation_id, kept_turns=kept)
             user = ChatMessage(role=MessageRole.USER, content=prepared.render())
-            self._turn_texts[prepared.turn or 0] = user.content  # type: ignore[assignment]
-            self._turn_requests[prepared.turn or 0] = prepared
+            self._turns[prepared.turn or 0] = (str(user.content), prepared)
         texts = [str(m.content or "") for m in history]
         if resolve_history(texts, earlier):  # a kept turn referred to one the memory dropped
             history = [
