@@ -76,9 +76,9 @@ for turn, question in enumerate([questions[0], questions[0] + " What was the ver
         print(user[:400])
 
 # 2. one-shot questions from other users: the first shares documents with the conversation's first
-#    turn, so it is sent in that turn's order (a prefix the engine holds), with the retriever's
-#    ranking restated after the documents; a question that shares nothing goes out exactly as it
-#    would without ContextPilot
+#    turn, so it is sent in that turn's order (a prefix the engine holds), its own top document
+#    first or last, where a model reads best; a question that shares nothing goes out exactly as
+#    it would without ContextPilot
 chain = inputs | prompt | llm
 for n, question in enumerate(questions[1:], start=1):
     answer = chain.invoke(question, config={"configurable": {"thread_id": f"user-{n}"}})

@@ -129,7 +129,7 @@ def test_restored_messages_never_refer_to_what_they_do_not_carry(turns: list[lis
 
 
 def test_a_restored_block_can_be_referred_to_from_the_turn_that_carried_it() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(keep_top=False)  # the top block may be a reference too
     pilot.prepare(blocks("a", "b"), "q", "c")
     second = pilot.prepare(blocks("a", "b"), "q", "c")  # references to turn 0
     assert len(second.references) == 2
@@ -143,7 +143,7 @@ def test_a_restored_block_can_be_referred_to_from_the_turn_that_carried_it() -> 
 
 # ---- the order annotation --------------------------------------------------------------------
 def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(annotate_order=True, keep_top=False)  # the annotation on (off by default)
     pilot.discard(pilot.prepare(blocks("a", "b", "c"), "seen before"))  # they recur: worth labelling
     first = pilot.prepare(blocks("a", "b", "c"), "q")
     assert first.order_annotation == "" and "priority order" not in first.render()
@@ -152,10 +152,11 @@ def test_no_annotation_when_the_model_reads_the_retrievers_order() -> None:
     assert "#3 > #1 > #2 > #4" in reordered.order_annotation  # c, a, b, d by position
     chat = ContextPilot()
     chat.prepare(blocks("a"), "q", "c")
-    later = chat.prepare(blocks("b", "a"), "q", "c")  # a's reference in a's place: as ranked
+    later = chat.prepare(blocks("b", "a"), "q", "c")  # a's reference in a's place, the top block b last
     assert [b.id for b in later.blocks] == ["b"] and [r.block.id for r in later.references] == ["a"]
-    assert later.order_annotation == "" and later.render().index("text of b") < later.render().index("refer to")
-    paper = ContextPilot(plain_prompts=False)  # the paper's form: references after the blocks
+    assert later.order_annotation == "" and later.render().index("refer to") < later.render().index("text of b")
+    # the paper's form: references after the blocks, the ranking restated, any repeat referred to
+    paper = ContextPilot(plain_prompts=False, annotate_order=True, keep_top=False)
     paper.prepare(blocks("a"), "q", "c")
     moved = paper.prepare(blocks("a", "b"), "q", "c")
     assert [b.id for b in moved.blocks] == ["b"] and moved.order_annotation == "Context in priority order: [a] > [b]."

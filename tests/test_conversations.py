@@ -68,21 +68,22 @@ def doc(name: str, tokens: int) -> Block:
 
 def test_short_blocks_go_out_as_without_contextpilot_turn_after_turn() -> None:
     """A reference is about as long as a 12-token chunk: de-duplicating it saves nothing,
-    so every turn is the plain prompt."""
+    so every turn is the plain prompt (a later turn's top block last, after its history)."""
     pilot = ContextPilot()
     turns = [["a", "b", "c"], ["b", "c", "d"], ["c", "d", "a"]]
     for number, ids in enumerate(turns):
         blocks = [doc(name, 12) for name in ids]
         prepared = pilot.prepare(blocks, f"q{number}", conversation_id="c")
         assert prepared.turn == number and prepared.references == () and not prepared.labels
-        assert prepared.render() == "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
+        read = blocks[1:] + blocks[:1] if number else blocks
+        assert prepared.render() == "\n\n".join([*(b.text for b in read), f"Question: q{number}"])
 
 
 def test_a_reference_quotes_the_plain_copy_in_its_blocks_place() -> None:
     """The first turn goes out as without ContextPilot (no label bet on later turns); the
     second refers to it by the block's opening words, in the block's own place, so the
-    model reads the retriever's order and no annotation is needed. A block shorter than
-    its reference is sent again."""
+    model reads the retriever's order (but for the top block, last after the history) and
+    no annotation is needed. A block shorter than its reference is sent again."""
     pilot = ContextPilot()
     first = pilot.prepare([doc("long", 300), doc("short", 10)], "q", conversation_id="c")
     assert not first.labels and first.render() == "\n\n".join(
@@ -90,15 +91,15 @@ def test_a_reference_quotes_the_plain_copy_in_its_blocks_place() -> None:
     )
     second = pilot.prepare([doc("short", 10), doc("long", 300), doc("new", 300)], "q2", conversation_id="c")
     assert [(r.block.id, r.turn, r.labelled) for r in second.references] == [("long", 0, False)]
-    assert [b.id for b in second.blocks] == ["short", "new"] and not second.labels
+    assert [b.id for b in second.blocks] == ["new", "short"] and not second.labels
     assert second.order_annotation == ""
     reference = 'Please refer to "long long long long…" in the previous conversation.'
-    assert second.render() == "\n\n".join([doc("short", 10).text, reference, doc("new", 300).text, "Question: q2"])
+    assert second.render() == "\n\n".join([reference, doc("new", 300).text, doc("short", 10).text, "Question: q2"])
     history = [{"role": "user", "content": first.render()}, {"role": "assistant", "content": "a"}]
     messages = second.to_messages(history=history)
     assert messages[-1]["content"] == second.render() and dangling_references([m["content"] for m in messages]) == []
     alone = second.to_messages()  # without the turn it points to: the block goes out in full
-    assert alone[-1]["content"].startswith(doc("short", 10).text + "\n\n" + doc("long", 300).text)
+    assert alone[-1]["content"].startswith(doc("long", 300).text + "\n\n" + doc("new", 300).text)
 
 
 def test_blocks_that_begin_alike_are_never_quoted() -> None:
@@ -108,8 +109,8 @@ def test_blocks_that_begin_alike_are_never_quoted() -> None:
     twins = [Block(id=n, text=f"Table of Contents page {n} " + "x " * 400) for n in ("a", "b")]
     pilot.prepare(twins, "q", conversation_id="c")
     again = pilot.prepare(twins, "q", conversation_id="c")
-    assert again.references == () and [b.id for b in again.blocks] == ["a", "b"]
-    paper = ContextPilot(plain_prompts=False)
+    assert again.references == () and [b.id for b in again.blocks] == ["b", "a"]  # the top one last
+    paper = ContextPilot(plain_prompts=False, keep_top=False)  # any repeat referred to, the top one too
     paper.prepare(twins, "q", conversation_id="c")
     again = paper.prepare(twins, "q", conversation_id="c")
     assert [(r.text, r.labelled) for r in again.references] == [
@@ -164,14 +165,16 @@ def test_a_turn_never_costs_more_than_without_contextpilot_and_never_dangles(
             blocks.append(Block(id=str(key), text=texts[key], tokens=tokens))
         kept = list(range(max(0, number - window), number))
         prepared = pilot.prepare(blocks, f"q{number}", conversation_id="c", kept_turns=kept)
-        plain = "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
         assert not prepared.labels
         if kept:  # a turn without history starts like any request: reordered where that pays now
             size = sum(b.token_count for b in prepared.blocks) + sum(
                 estimate_tokens(r.text) for r in prepared.references
             )
             assert size <= sum(b.token_count for b in blocks)
-            assert prepared.references or prepared.render() == plain
+            read = [*blocks[1:], blocks[0]]  # after the history, the top block last
+            assert prepared.references or prepared.render() == "\n\n".join(
+                [*(b.text for b in read), f"Question: q{number}"]
+            )
         sent = history[2 * kept[0] :] if kept else []
         messages = prepared.to_messages(history=sent)
         assert messages[-1]["content"] == prepared.render()  # nothing had to be restored

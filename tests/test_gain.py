@@ -20,6 +20,13 @@ def doc(name: str, words: int = 100) -> Block:
     return Block(id=name, text=f"{name} " * words)
 
 
+def annotated(*args: Any, **options: Any) -> ContextPilot:
+    """A pilot that prices the order annotation into its sends and may put the top block
+    anywhere: the send decision these tests weigh (the defaults leave the annotation out and
+    keep the top block at an edge: tests/test_reading.py)."""
+    return ContextPilot(*args, **{"annotate_order": True, "keep_top": False, **options})
+
+
 def plain_prompt(blocks: list[Block], query: str) -> str:
     """What a user sends without ContextPilot: the texts in the retriever's order, then the question."""
     return "\n\n".join([*(b.text for b in blocks), f"Question: {query}"])
@@ -35,7 +42,7 @@ def test_a_request_that_shares_nothing_is_the_prompt_without_contextpilot() -> N
 
 
 def test_a_reorder_that_buys_less_than_its_annotation_is_not_made() -> None:
-    pilot = ContextPilot()
+    pilot = annotated()
     tiny = [Block(id=n, text=n) for n in "xyz"]  # one token each: the annotation costs more
     pilot.prepare(tiny, "q")
     reordered = pilot.prepare(list(reversed(tiny)), "q")
@@ -53,7 +60,7 @@ def test_a_request_larger_than_the_cache_is_not_indexed() -> None:
 def test_a_conversation_in_the_papers_form_keeps_its_labels() -> None:
     """Later turns refer to its blocks by label (the default sends turn 0 as its text alone
     and quotes it instead: tests/test_conversations.py)."""
-    pilot = ContextPilot(plain_prompts=False)
+    pilot = annotated(plain_prompts=False)
     first = pilot.prepare([doc("a"), doc("b")], "q", conversation_id="c")
     assert first.labels and "[a] " in first.render()
     second = pilot.prepare([doc("a"), doc("c")], "q2", conversation_id="c")
@@ -118,7 +125,7 @@ def test_a_micro_batcher_plans_its_bursts_as_concurrent() -> None:
 # ---- issue 29: decisions that hold on any traffic ---------------------------------------------------
 def test_one_text_per_block_a_reordered_request_follows_a_plain_one() -> None:
     """Blocks are their text alone whether reordered or not; the ranking restated by position."""
-    pilot = ContextPilot()
+    pilot = annotated()
     first = pilot.prepare([doc("a"), doc("b")], "q")
     assert not first.labels and first.render() == plain_prompt([doc("a"), doc("b")], "q")
     again = pilot.prepare([doc("c"), doc("b"), doc("a")], "q")  # reordered onto the prefix the plain one left
@@ -146,7 +153,7 @@ def test_user_ids_never_collide_with_internal_keys() -> None:
 
 
 def test_the_paper_form_stays_available() -> None:
-    pilot = ContextPilot(order_form="labels")
+    pilot = annotated(order_form="labels")
     pilot.prepare([doc("a"), doc("b")], "q")
     reordered = pilot.plan([([doc("c"), doc("b"), doc("a")], "q"), ([doc("a"), doc("b")], "q2")])
     assert any(p.labels and "[" in p.render() for p in reordered)
@@ -155,7 +162,7 @@ def test_the_paper_form_stays_available() -> None:
 
 
 def test_the_moved_form_names_only_blocks_out_of_place() -> None:
-    pilot = ContextPilot(order_form="moved")
+    pilot = annotated(order_form="moved")
     pilot.prepare([doc("a"), doc("b")], "q")
     again = pilot.prepare([doc("c"), doc("b"), doc("a"), doc("d")], "q")
     assert [b.id for b in again.blocks] == ["a", "b", "c", "d"]
@@ -242,20 +249,20 @@ def test_bets_are_paid_only_from_what_the_sends_bought() -> None:
 
 def test_a_bet_that_never_pays_is_not_repeated() -> None:
     """Scattered short blocks online: a pilot does not keep betting tokens it never gets back."""
-    pilot = ContextPilot()
+    pilot = annotated()
     blocks = [Block(id=f"m{n}", text="memory snippet text " * 7) for n in range(40)]  # ~35 tokens each
-    annotated = 0
+    restated = 0
     for step in range(200):
         picked = [blocks[(step * 7 + k * 3) % 40] for k in range(20)]
         prepared = pilot.prepare(picked, "q")
-        annotated += bool(prepared.order_annotation)
+        restated += bool(prepared.order_annotation)
         pilot.evict([prepared.request_id])  # a cache too small to keep anything
-    assert annotated == 0 and pilot.stats().send_balance == 0.0
+    assert restated == 0 and pilot.stats().send_balance == 0.0
 
 
 def test_two_overlapping_questions_share_the_prefix_the_first_left() -> None:
     """The issue's q1/q2: q2 lines up with q1's plain prefix (d3 d1), though q1 went out plain."""
-    pilot = ContextPilot()
+    pilot = annotated()
     docs = {n: doc(f"d{n}", 200) for n in range(1, 10)}  # about 100 tokens each
     q1 = pilot.prepare([docs[n] for n in (3, 1, 7, 5, 9)], "q1")
     assert not q1.labels and [b.id for b in q1.blocks] == ["d3", "d1", "d7", "d5", "d9"]
@@ -267,7 +274,7 @@ def test_two_overlapping_questions_share_the_prefix_the_first_left() -> None:
 
 
 def test_engine_that_keeps_nothing_gets_plain_prompts() -> None:
-    pilot = ContextPilot()
+    pilot = annotated()
     pilot.prepare([doc("a"), doc("b")], "q")
     reused = pilot.prepare([doc("c"), doc("a"), doc("b")], "q")  # reordered onto a b
     assert reused.cached_blocks == 2 and reused.order_annotation
@@ -278,10 +285,10 @@ def test_engine_that_keeps_nothing_gets_plain_prompts() -> None:
 
 
 def test_a_batch_sent_in_order_pays_for_its_partners_a_concurrent_burst_does_not_bet() -> None:
-    in_order = ContextPilot().plan(burst())
+    in_order = annotated().plan(burst())
     partners = [p for p in in_order if {"a", "b"} <= {b.id for b in p.blocks}]
     assert sorted(p.cached_blocks for p in partners) == [0, 2]
-    concurrent = ContextPilot().plan(burst(), in_order=False)  # their order at the engine is nobody's
+    concurrent = annotated().plan(burst(), in_order=False)  # their order at the engine is nobody's
     assert not any(p.labels or p.order_annotation or p.cached_blocks for p in concurrent)
 
 
@@ -289,9 +296,9 @@ def test_a_batch_partner_the_cache_cannot_keep_until_it_comes_is_not_sure() -> N
     def batch() -> list[tuple[list[Block], str]]:
         return [([doc("x"), doc("a"), doc("b")], "q1"), ([doc("f")], "q2"), ([doc("b"), doc("a"), doc("w")], "q3")]
 
-    roomy = ContextPilot().plan(batch())
+    roomy = annotated().plan(batch())
     assert any(p.cached_blocks == 2 for p in roomy)
-    tiny = ContextPilot(cache_tokens=160).plan(batch())  # one request at a time: nothing survives to a partner
+    tiny = annotated(cache_tokens=160).plan(batch())  # one request at a time: nothing survives to a partner
     assert not any(p.order_annotation for p in tiny)
 
 
@@ -357,7 +364,7 @@ def test_a_send_loses_now_at_most_the_budget_against_the_prompt_without_contextp
 def test_a_request_outside_a_conversation_follows_the_prefix_a_conversation_left() -> None:
     """A conversation's first turn goes out as its text alone: another user's request with
     those blocks follows that very text (one text per block), restating its ranking by position."""
-    pilot = ContextPilot()
+    pilot = annotated()
     pilot.prepare([doc("a"), doc("b"), doc("c")], "q", conversation_id="user")
     other = pilot.prepare([doc("b"), doc("a"), doc("d")], "q")
     assert not other.labels and [b.id for b in other.blocks] == ["a", "b", "d"] and other.cached_blocks == 2

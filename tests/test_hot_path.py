@@ -42,7 +42,7 @@ def test_good_kept_turns_keep_the_first_turn(kept: Collection[int]) -> None:
     first = "a" * 400  # longer than a reference to it: worth referring to (issue 29)
     pilot = ContextPilot()
     pilot.prepare([first], "q", conversation_id="c")
-    again = pilot.prepare([first, "b"], "q", conversation_id="c", kept_turns=kept)
+    again = pilot.prepare(["b", first], "q", conversation_id="c", kept_turns=kept)  # "b" tops: sent in full
     assert [r.block.text for r in again.references] == [first] and [b.text for b in again.blocks] == ["b"]
     nothing_kept = pilot.prepare(["a"], "q", conversation_id="c", kept_turns=[])
     assert [b.text for b in nothing_kept.blocks] == ["a"]

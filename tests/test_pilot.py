@@ -37,7 +37,7 @@ def as_blocks(ids: list[int]) -> list[Block]:
 def test_prepare_is_a_permutation_and_the_annotation_rebuilds_the_ranking(
     strategy: str, batch: list[list[int]]
 ) -> None:
-    pilot = ContextPilot(strategy)
+    pilot = ContextPilot(strategy, annotate_order=True)
     for ids in batch:
         prepared = pilot.prepare(as_blocks(ids), "q")
         assert sorted(b.id for b in prepared.blocks) == sorted(str(i) for i in ids)
@@ -68,7 +68,7 @@ def test_plan_is_a_permutation_paired_with_queries(strategy: str, batch: list[li
 
 
 def test_rendered_prefixes_are_byte_identical_across_conversations() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(keep_top=False)  # the top block (4) may stay inside the shared prefix
     shared = as_blocks([1, 2, 3, 4])
     a = pilot.prepare(shared + as_blocks([10]), "first question", conversation_id="alice")
     b = pilot.prepare(list(reversed(shared)) + as_blocks([11]), "another question", conversation_id="bob")
@@ -79,7 +79,8 @@ def test_rendered_prefixes_are_byte_identical_across_conversations() -> None:
 
 
 def test_paper_section_6_through_the_pilot() -> None:
-    pilot = ContextPilot(plain_prompts=False)  # the paper's form: labels, references after the blocks
+    # the paper's form: labels, references after the blocks, the ranking restated, any repeat referred to
+    pilot = ContextPilot(plain_prompts=False, annotate_order=True, keep_top=False)
     pilot.prepare(as_blocks([1, 2, 4]), "turn 0", conversation_id="c")
     second = pilot.prepare(as_blocks([1, 5, 2]), "turn 1", conversation_id="c")
     assert [b.id for b in second.blocks] == ["5"]
@@ -103,7 +104,7 @@ def seen_before(pilot: ContextPilot, blocks: list[Block]) -> None:
 
 
 def test_evict_and_reset_remove_predicted_hits() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(keep_top=False)  # a reversed request follows the prefix, its top block inside
     seen_before(pilot, as_blocks([1, 2, 3]))
     first = pilot.prepare(as_blocks([1, 2, 3]), "q")
     assert pilot.prepare(as_blocks([3, 2, 1]), "q").cached_blocks == 3
@@ -167,7 +168,8 @@ def test_plan_keeps_turn_order_within_a_conversation() -> None:
     planned = pilot.plan(items)
     turns = [p for p in planned if p.conversation_id == "c"]
     assert [p.query for p in turns] == ["t0", "t1"] and [p.turn for p in turns] == [0, 1]
-    assert [r.block.id for r in turns[1].references] == ["1", "2"]
+    assert [r.block.id for r in turns[1].references] == ["2"]  # 1, the top block, goes out in full
+    assert [b.id for b in turns[1].blocks] == ["9", "1"]  # after the history, the top block last
 
 
 # ---- bad input: clear errors, nothing recorded -------------------------------------------
@@ -203,7 +205,7 @@ def test_blocks_without_ids_and_duplicates_are_kept() -> None:
 
 
 def test_a_thousand_blocks() -> None:
-    pilot = ContextPilot(plain_prompts=False)  # labelled from the first: a 1,000-block prefix is
+    pilot = ContextPilot(plain_prompts=False, keep_top=False)  # labelled from the first: a 1,000-block prefix is
     blocks = as_blocks(list(range(1_000)))  # no bet worth its labels (every block must recur)
     first = pilot.prepare(blocks, "q")
     second = pilot.prepare(list(reversed(blocks)), "q")

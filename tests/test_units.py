@@ -31,7 +31,7 @@ def test_a_reorder_is_weighed_in_the_engines_units() -> None:
     would not be made."""
     shared = Block(id="s", text="sssssss " * 10)
     rest = [Block(id=f"b{n}", text=f"block{n} " * 10) for n in range(4)]
-    pilot = ContextPilot(token_counter=len)
+    pilot = ContextPilot(token_counter=len, annotate_order=True, keep_top=False)  # the annotation priced in
     pilot.prepare([shared, *(Block(id=f"c{n}", text=f"other{n} " * 10) for n in range(4))], "q")
     second = pilot.prepare([*rest, shared], "q")
     annotation = render_position_order([*rest, shared], [shared, *rest], DEFAULT_TEMPLATES)
@@ -105,7 +105,8 @@ def test_a_pair_reordered_to_share_a_prefix_shorter_than_both_annotations_goes_p
     shared = docs("s", 3, 60)
     first = [*docs("p", 3, 60), *shared, *docs("q", 5, 60)]
     second = [*docs("r", 4, 60), *reversed(shared), *docs("t", 4, 60)]
-    planned = ContextPilot().plan([BatchRequest(first, "q1"), BatchRequest(second, "q2")])
+    annotated = ContextPilot(annotate_order=True, keep_top=False)  # the annotation priced in
+    planned = annotated.plan([BatchRequest(first, "q1"), BatchRequest(second, "q2")])
     assert all(p.order_annotation == "" for p in planned)
     assert [[b.id for b in p.blocks] for p in sorted(planned, key=lambda p: p.batch_index or 0)] == [
         [b.id for b in first],

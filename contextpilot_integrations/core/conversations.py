@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from .annotations import Templates, opening, render_reference
 from .blocks import Block
 
-__all__ = ["ConversationStore", "Deduplication", "decide_turn"]
+__all__ = ["ConversationStore", "Deduplication", "decide_turn", "keep_in_full"]
 
 TokenCounter = Callable[[str], int]
 
@@ -196,6 +196,16 @@ def _carry(conversation: _Conversation, turn: int, blocks: Sequence[Block], labe
         owner = conversation.openings.setdefault(hash(opening(block.text)), block.id)
         if owner != block.id:
             conversation.unquotable.update((owner, block.id))
+
+
+def keep_in_full(dedup: Deduplication, block_id: str) -> Deduplication:
+    """``dedup`` with the block ``block_id`` (the retriever's top-ranked, first in the
+    turn's blocks) sent in full rather than referred to (:mod:`.reading`)."""
+    kept = [entry for entry in dedup.repeated if entry[0].id == block_id]
+    if not kept:
+        return dedup
+    repeated = [entry for entry in dedup.repeated if entry[0].id != block_id]
+    return replace(dedup, fresh=[kept[0][0], *dedup.fresh], repeated=repeated)
 
 
 def decide_turn(

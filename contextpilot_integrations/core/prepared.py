@@ -65,7 +65,7 @@ class PreparedRequest:
     """Ids given more than once (same text) and sent once."""
     batch_index: int | None = None
     """Position in the batch given to :meth:`ContextPilot.plan`."""
-    annotate_order: bool = True
+    annotate_order: bool = False
     templates: Templates = field(default=DEFAULT_TEMPLATES, repr=False)
     labels: bool = True
     """Whether the blocks carry their labels. False: each block is its text alone, as
@@ -73,6 +73,9 @@ class PreparedRequest:
     order_form: str = "positions"
     """How the annotation restates the ranking of unlabelled blocks: ``"positions"`` (all
     of them) or ``"moved"`` (those out of place); labelled blocks are ranked by label."""
+    top_last: bool = False
+    """The retriever's top block goes last, right before the question (a conversation's later
+    turn, after its history: where a model reads it best, :mod:`.reading`)."""
 
     @property
     def order_annotation(self) -> str:
@@ -93,14 +96,18 @@ class PreparedRequest:
 
     @property
     def sequence(self) -> list[Block | Reference]:
-        """What the model reads, in order: blocks sent in full and references (each in its
-        block's place where the blocks go out as their text alone in the retriever's order,
-        else after the blocks)."""
-        if self.labels or not self.references or self.reordered:
+        """What the model reads, in order: blocks sent in full and references. Blocks sent as
+        their text alone (a later turn) keep the retriever's order, each reference in its
+        block's place, the top block last where :attr:`top_last`; labelled blocks (the paper's
+        form) put references after them."""
+        if self.labels or not self.references:
             return [*self.blocks, *self.references]
         parts: dict[str, Block | Reference] = {block.id: block for block in self.blocks}
         parts.update((reference.block.id, reference) for reference in self.references)
-        return [parts[block.id] for block in self.ranking if block.id in parts]
+        read = [parts[block.id] for block in self.ranking if block.id in parts]
+        if self.top_last and len(read) > 1:
+            read.append(read.pop(0))
+        return read
 
     @property
     def reordered(self) -> bool:

@@ -74,21 +74,28 @@ class PrefixTrie(Generic[K]):
             node = child
         return len(order)
 
-    def best_prefix(self, keys: Collection[K]) -> list[K]:
-        """The longest live path made only of blocks in ``keys`` (any order).
+    def best_prefix(self, keys: Collection[K], first: K | None = None) -> list[K]:
+        """The longest live path made only of blocks in ``keys`` (any order); with ``first``
+        (one of ``keys``), the longest that starts with it (``[first]`` if none is live).
 
         A depth-first search, most-shared child first, that explores at most
         ``max_search_nodes`` branches (each followed down while it does not fork), so its
         cost does not grow with the index; children are looked up by the request's keys.
         """
+        start: _Node[K] = self.root
         best: tuple[K, ...] = ()
+        if first is not None:
+            child = self.root.children.get(first)
+            if child is None:
+                return [first]
+            start, best = child, (first,)
         budget = self.max_search_nodes
         wanted = set(keys)  # an exact set: ``children.keys() & wanted`` walks the smaller side, in C
         size = len(wanted)
         # a root path never repeats a block, so the blocks still usable below a node are
         # simply ``wanted``: nothing on the path above can appear again
         # entries are expanded lazily: (node, path to its parent, its key)
-        stack: list[tuple[_Node[K], tuple[K, ...], K | None]] = [(self.root, (), None)]
+        stack: list[tuple[_Node[K], tuple[K, ...], K | None]] = [(start, best, None)]
         found: list[tuple[int, K, _Node[K]]] = []  # (live requests through it, key, child)
         while stack and budget > 0:
             node, path, key = stack.pop()

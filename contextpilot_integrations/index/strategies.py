@@ -34,6 +34,7 @@ __all__ = [
     "Strategy",
     "TrieStrategy",
     "make_strategy",
+    "plan_under_first",
 ]
 
 Batch = Sequence[tuple[str, Sequence[str]]]
@@ -55,13 +56,16 @@ class Strategy(ABC):
     """Decides send orders. Gets the pilot's live :class:`PrefixTrie` to read from."""
 
     name: ClassVar[str]
+    reorders: ClassVar[bool] = True
+    """Whether it changes orders and schedules (the baseline keeps both as given)."""
 
     def __init__(self, trie: PrefixTrie[str]) -> None:
         self.trie = trie
 
     @abstractmethod
-    def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
-        """The send order of one request's blocks (given in retrieval order)."""
+    def order(self, request_id: str, keys: Sequence[str], first: str | None = None) -> list[str]:
+        """The send order of one request's blocks (given in retrieval order); ``first``: one
+        of them that must go first (the pilot's ``keep_top``), where the strategy can honour it."""
 
     def plan(self, batch: Batch, tokens: Mapping[str, int] | None = None) -> PlannedBatch:
         """Each request's send order and the schedule, without changing shared state.
@@ -95,8 +99,9 @@ class RetrievalOrder(Strategy):
     """The baseline: keep the retriever's order and the input order."""
 
     name = "retrieval"
+    reorders = False
 
-    def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
+    def order(self, request_id: str, keys: Sequence[str], first: str | None = None) -> list[str]:
         return list(keys)
 
 
@@ -156,9 +161,9 @@ class TrieStrategy(Strategy):
         """Blocks whose request frequency is remembered (at most ``max_tracked_blocks``)."""
         return len(self._requested)
 
-    def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
+    def order(self, request_id: str, keys: Sequence[str], first: str | None = None) -> list[str]:
         self._count(keys)
-        head = self.trie.best_prefix(keys)
+        head = self.trie.best_prefix(keys, first)
         taken = set(head)
         requested = self._requested
         tail = [key for key in keys if key not in taken]
@@ -201,7 +206,7 @@ class PaperStrategy(Strategy):
         self.options = options
         self.tree = ClusterTree(**options)
 
-    def order(self, request_id: str, keys: Sequence[str]) -> list[str]:
+    def order(self, request_id: str, keys: Sequence[str], first: str | None = None) -> list[str]:
         order, _, _ = self.tree.insert(request_id, keys)
         return order  # type: ignore[return-value]
 
@@ -219,6 +224,33 @@ class PaperStrategy(Strategy):
 
     def reset(self) -> None:
         self.tree.clear()
+
+
+def plan_under_first(
+    strategy: Strategy, batch: Batch, tokens: Mapping[str, int] | None = None
+) -> tuple[PlannedBatch, list[tuple[PlannedBatch, Batch]]]:
+    """Plan a batch whose requests each keep their first block first (the pilot's
+    ``keep_top``): requests share a prefix only under the same first block, so each group of
+    them is planned on its own, on the rest of its blocks, and the groups go one after
+    another. Returns the whole plan, and each group's plan with its part of the batch (for
+    :meth:`Strategy.commit`)."""
+    if not strategy.reorders:  # the input order, as without ContextPilot
+        planned = strategy.plan(batch, tokens)
+        return planned, [(planned, batch)]
+    groups: dict[str | None, list[int]] = {}
+    for index, (_, keys) in enumerate(batch):
+        groups.setdefault(keys[0] if keys else None, []).append(index)
+    orders = [list(keys) for _, keys in batch]
+    schedule: list[int] = []
+    parts: list[tuple[PlannedBatch, Batch]] = []
+    for first, members in groups.items():
+        planned = strategy.plan([(batch[i][0], list(batch[i][1])[1:]) for i in members], tokens)
+        for order, index in zip(planned.orders, members, strict=True):
+            if first is not None:
+                orders[index] = [first, *order]
+        schedule += [members[position] for position in planned.schedule]
+        parts.append((planned, [batch[i] for i in members]))
+    return PlannedBatch(orders, schedule), parts
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {

@@ -46,27 +46,26 @@ class ContextPilot:
     Args:
         strategy: ``"trie"`` (default), ``"paper"`` or ``"retrieval"`` (no reordering).
         templates: prompt templates for blocks, references and annotations.
-        annotate_order: add the order annotation that restates the retriever's ranking.
-        max_live_requests: bound on requests tracked in the index; the oldest are forgotten first
-            (use eviction events to stay exact).
+        annotate_order: restate the retriever's ranking after reordered blocks (the order annotation; off
+            by default: on a real model it cost answers, see the README's answer-quality table).
+        max_live_requests: bound on requests tracked in the index (oldest forgotten first).
         conversation_ttl: seconds after which an idle conversation is forgotten (``None``: never).
         max_conversations: bound on conversations tracked (least recently used go first).
         request_id_prefix: prefix of generated request ids.
         shared: share this index with other workers through a broker: a URL such as
             ``"nats://127.0.0.1:4222"`` or :class:`~contextpilot_integrations.shared.SharedOptions`
             (default: the ``CONTEXTPILOT_SHARED`` environment variable; unset: not shared).
-        cache_tokens: the engine's prefix-cache size in tokens, if known: a request larger than it
-            is not indexed (see :mod:`.gain`).
+        cache_tokens: the engine's prefix-cache size in tokens, if known (a larger request is not indexed).
         plain_prompts: send a request whose reordering does not pay as without ContextPilot
             (``False``: every block labelled, the paper's form).
-        order_form: how a reordered request outside a conversation restates the ranking:
-            ``"positions"`` (default: each block is its text alone, the ranking restated by position,
-            so a block is the same text whether its request is reordered or not), ``"moved"`` (only
-            the blocks out of place), or ``"labels"`` (the paper's: every block labelled, the ranking
-            restated by label).
+        order_form: how an annotated request restates the ranking: ``"positions"`` (default: blocks as
+            their text alone, ranked by position), ``"moved"`` (only the blocks out of place) or
+            ``"labels"`` (the paper's: every block labelled, ranked by label).
         token_counter: the engine's tokenizer (:class:`~.engines.EngineTokenCounter`): blocks without
             ``tokens``, labels and annotation are weighed in its units (default: four characters a token).
         page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown).
+        keep_top: the retriever's top-ranked block goes out in full, first or else last, where a model reads
+            best (:mod:`~contextpilot_integrations.core.reading`); ``False``: anywhere (the paper's).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -75,7 +74,7 @@ class ContextPilot:
         strategy: str = "trie",
         *,
         templates: Templates | None = None,
-        annotate_order: bool = True,
+        annotate_order: bool = False,
         max_live_requests: int = 200_000,
         conversation_ttl: float | None = 3600.0,
         max_conversations: int = 10_000,
@@ -86,6 +85,7 @@ class ContextPilot:
         order_form: Form = "positions",
         token_counter: TokenCounter | None = None,
         page_tokens: int | None = None,
+        keep_top: bool = True,
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1:
@@ -95,7 +95,7 @@ class ContextPilot:
             raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
         self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
         self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
-        self.templates, self.annotate_order = templates or DEFAULT_TEMPLATES, annotate_order
+        self.templates, self.annotate_order, self.keep_top = templates or DEFAULT_TEMPLATES, annotate_order, keep_top
         self.max_live_requests = max_live_requests
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
         self._trie, self._strategy = self._state.trie, self._state.strategy

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..core.annotations import Templates
 from ..core.blocks import Block, BlockLike, normalize_blocks
-from ..core.conversations import ConversationStore, decide_turn
+from ..core.conversations import ConversationStore, decide_turn, keep_in_full
 from ..core.gain import (
     Balance,
     Chance,
@@ -38,9 +38,11 @@ from ..core.gain import (
     plain_keys,
 )
 from ..core.prepared import PreparedRequest, Reference, make_reference
+from ..core.reading import top_first, top_last
 from ..core.units import TokenUnits
 from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
 from ..errors import DuplicateRequestError
+from ..index.strategies import plan_under_first
 from .state import EngineState
 
 __all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
@@ -81,6 +83,7 @@ class Settings(Protocol):
     token_counter: TokenCounter
     cache_tokens: int | None
     page_tokens: int | None
+    keep_top: bool
 
 
 class Planner:
@@ -186,25 +189,33 @@ class Planner:
         dedup = None
         if conversation_id is not None:
             dedup = self.conversations.split(conversation_id, blocks, kept_turns)
+            if self.settings.keep_top and blocks:
+                dedup = keep_in_full(dedup, blocks[0].id)
             if dedup.turn and self.plain_prompts:  # references only where they cost less
                 dedup = decide_turn(dedup, blocks, self.templates, self.token_counter)
             turn, fresh = dedup.turn, dedup.fresh
             references = tuple([make_reference(b, t, self.templates, labelled) for b, t, labelled in dedup.repeated])
         cached_blocks = cached_tokens = 0
-        labels = True
+        labels, read_top_last = True, False
         if turn and (kept_turns is None or kept_turns):
             # later turns start with this conversation's own history, which no other
             # request shares: keep the retriever's order and leave the index alone (a turn
             # sent without history starts like any request: indexed, as a first turn is)
             sent = fresh
             labels = dedup is None or dedup.labelled
+            read_top_last = self.settings.keep_top and not labels  # after the history, the top reads best last
+            if read_top_last:
+                sent = list(map(by_id.__getitem__, top_last([block.id for block in sent], blocks[0].id)))
             if planned_order is not None:
                 self.state.strategy.forget(rid)
         else:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
+            top = keys[0] if self.settings.keep_top and keys else None  # first, where a model reads best
             if planned_order is None:
-                followed = self.state.strategy.order(rid, self.strategy_keys(keys))
-                planned_order = key_blocks(followed)
+                first = self.strategy_keys([top])[0] if top is not None else None
+                planned_order = key_blocks(self.state.strategy.order(rid, self.strategy_keys(keys), first))
+            if top is not None:
+                planned_order = top_first(planned_order, top)
             bets = conversation_id is None or not self.plain_prompts
             choice = self.worth_it(planned_order, keys, blocks, by_id, query, chance, concurrent, bets)
             order, labels = choice.order, choice.labels
@@ -241,6 +252,7 @@ class Planner:
             templates=self.templates,
             labels=labels,
             order_form=self.order_form,
+            top_last=read_top_last,
         )
         return prepared
 
@@ -358,8 +370,12 @@ class Planner:
                 for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
                 for key, block in zip(keys, blocks, strict=True)
             }
-            with _gc_paused():
-                planned = self.state.strategy.plan(followed, tokens)
+            with _gc_paused():  # each request's top block first (keep_top): planned under it
+                if self.settings.keep_top:
+                    planned, parts = plan_under_first(self.state.strategy, followed, tokens)
+                else:
+                    planned = self.state.strategy.plan(followed, tokens)
+                    parts = [(planned, followed)]
             orders = [key_blocks(order) for order in planned.orders]
             schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])
             sizes = [sum(block.token_count for block in blocks) for blocks, _ in normalized]
@@ -371,7 +387,8 @@ class Planner:
                     with lock:
                         if start == 0:
                             chances = self.batch_chances(batch, schedule, orders, sizes, in_order)
-                            self.state.strategy.commit(planned, followed)
+                            for part, part_batch in parts:
+                                self.state.strategy.commit(part, part_batch)
                         for index in schedule[start : start + _COMMIT_STEP]:
                             item, (blocks, merged) = items[index], normalized[index]
                             self.state.reserved.discard(ids[index])

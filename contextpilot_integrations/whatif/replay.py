@@ -70,8 +70,9 @@ class PromptShape:
     """A question, for lines without ``question`` text (otherwise estimated from it)."""
     answer_tokens: int = 64
     """Each answer in a chat, cached after generation and resent in later turns."""
-    annotate: bool = True
-    """Whether prompts carry the order annotation."""
+    annotate: bool = False
+    """Whether ContextPilot restates the ranking of a reordered request (``annotate_order``;
+    off by default, as in the library)."""
     questions: bool = True
     """Whether prompts carry the question (off only to measure block reuse alone)."""
     labels: bool = True
@@ -286,6 +287,7 @@ def replay(
     plan_out: list[dict[str, object]] | None = None,
     seed: int = 0,
     on_request: Callable[[], object] | None = None,
+    keep_top: bool = True,
 ) -> ReplayResult:
     """Run a trace through a fresh :class:`ContextPilot` and a fresh simulated cache.
 
@@ -299,6 +301,7 @@ def replay(
             (``False``: every block is sent again, the baseline).
         plan_out: receives each request's sent blocks and references, in send order.
         on_request: called after each request (progress bars).
+        keep_top: the pilot's ``keep_top`` (``False``: the reuse the top block's place costs).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -307,7 +310,13 @@ def replay(
     shape = shape or PromptShape()
     if strategy == "retrieval" and not (mode == "chat" and deduplicate):  # the prompt without ContextPilot
         shape = replace(shape, labels=False)
-    pilot = ContextPilot(strategy, max_live_requests=max(len(trace), 1), cache_tokens=capacity_tokens)
+    pilot = ContextPilot(
+        strategy,
+        max_live_requests=max(len(trace), 1),
+        cache_tokens=capacity_tokens,
+        annotate_order=shape.annotate,
+        keep_top=keep_top,
+    )
     cache = RadixCacheSimulator(capacity_tokens)
     run = _Run(trace, pilot, cache, shape, plan_out, on_request)
     if mode == "offline":
@@ -447,7 +456,9 @@ def serve_orders(
             raise ValueError(f"{request.id}: the send order is not a permutation of the request's blocks")
         ranking = tuple(by_id.values())
         sent = tuple(by_id[b] for b in order)  # as ContextPilot sends them: text alone, ranked by position
-        prepared = PreparedRequest(f"r{index}", request.question or "", sent, ranking=ranking, labels=False)
+        prepared = PreparedRequest(
+            f"r{index}", request.question or "", sent, ranking=ranking, labels=False, annotate_order=shape.annotate
+        )
         own, block_tokens, _ = prompt_units(prepared, request, shape)
         prompt = _system(shape) + own
         tally.add(cache.request(prepared.request_id, prompt), block_tokens, 0)

@@ -48,7 +48,7 @@ class _Rotate(BaseNodePostprocessor):
 def test_query_engine_with_the_postprocessor(index: VectorStoreIndex) -> None:
     handler = _Events()
     get_dispatcher().add_event_handler(handler)
-    pilot = ContextPilot()
+    pilot = ContextPilot(annotate_order=True, keep_top=False)  # the annotation on, the top node anywhere
     engine = index.as_query_engine(similarity_top_k=5, node_postprocessors=[ContextPilotPostprocessor(pilot=pilot)])
     response = engine.query(QUESTION)
     assert "priority order" not in str(response)  # a fresh pilot keeps the retriever's order: nothing to restate

@@ -41,7 +41,7 @@ def test_reordered_prefix_is_served_from_cache(llama: LlamaServer, stream: bool)
     first = pilot.prepare(docs("a", "b", "c"), "What is a?")
     cold = client.chat(first, max_tokens=2, stream=stream)
     # the same documents in another retrieval order: ContextPilot sends them in the same order
-    second = pilot.prepare(docs("c", "a", "b", "d"), "What is d?")
+    second = pilot.prepare(docs("a", "c", "d", "b"), "What is d?")  # the same top block: its prefix
     assert [b.id for b in second.blocks][:3] == [b.id for b in first.blocks]
     warm = client.chat(second, max_tokens=2, stream=stream)
     assert cold.prompt_tokens and warm.prompt_tokens and warm.cached_tokens
@@ -92,7 +92,7 @@ def test_a_failed_turn_does_not_hide_its_blocks_later() -> None:
     with pytest.raises(EngineUnavailable):
         OpenAICompatClient(f"http://127.0.0.1:{free_port()}", pilot, timeout=2).chat(first)
     second = pilot.prepare(docs("a", "b"), "turn 1", conversation_id="c")
-    assert [b.id for b in second.blocks] == ["a", "b"] and second.references == ()
+    assert [b.id for b in second.blocks] == ["b", "a"] and second.references == ()  # both in full, the top last
 
 
 class _Failing(BaseHTTPRequestHandler):
@@ -159,8 +159,11 @@ def test_demo_compares_on_fresh_servers(tmp_path: Path, capsys: pytest.CaptureFi
         assert baseline["requests_per_pass"] == ours["requests_per_pass"] == 8, mode
         assert data["same_requests"], mode
         assert ours["mean_ttft_s"] > 0 and data["mean_ttft_ratio"] > 0
-    offline = engine["modes"]["offline"]
-    assert offline["contextpilot"]["cached_tokens"] > offline["retrieval_order"]["cached_tokens"]
+    # the sample's first 8 questions share no top block, and each prompt starts with its own
+    # (keep_top): offline reuses what the baseline does; a conversation reuses its history more
+    offline, chat = engine["modes"]["offline"], engine["modes"]["chat"]
+    assert offline["contextpilot"]["cached_tokens"] >= offline["retrieval_order"]["cached_tokens"]
+    assert chat["contextpilot"]["computed_tokens"] < chat["retrieval_order"]["computed_tokens"]
     for data in engine["modes"].values():
         for arm in (data["retrieval_order"], data["contextpilot"]):
             assert 0 <= arm["cached_tokens"] <= arm["prompt_tokens"]

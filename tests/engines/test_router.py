@@ -37,7 +37,7 @@ def test_cache_rule_sends_a_request_where_its_prefix_lives() -> None:
     router = Router(TARGETS)
     seen_before(router, docs("x", "y", "z"))
     first = router.prepare(docs("x", "y", "z"), "q")
-    second = router.prepare(docs("z", "y", "x", "w"), "q")
+    second = router.prepare(docs("x", "z", "w", "y"), "q")  # the same top block: the prefix under it
     assert second.target == first.target and second.reason == "cache"
     assert [b.id for b in second.prepared.blocks][:3] == [b.id for b in first.prepared.blocks]
     assert router.prepare(docs("p", "q"), "q").reason == "room"  # nothing shared: the emptiest cache
@@ -170,7 +170,7 @@ def test_routing_client_pins_llama_server_slots(tmp_path: Path) -> None:
         with RoutingClient(router, timeout=60) as client:
             a = client.chat(docs("a", "b", "c"), "q", max_tokens=1)
             b = client.chat(docs("x", "y", "z"), "q", max_tokens=1)  # no shared prefix: the other slot
-            again = client.chat(docs("c", "b", "a", "d"), "q", max_tokens=1)
+            again = client.chat(docs("a", "c", "d", "b"), "q", max_tokens=1)
         assert a.target != b.target and again.target == a.target
         assert (again.result.cached_tokens or 0) > 3 * 300  # its slot still holds a, b, c
     finally:

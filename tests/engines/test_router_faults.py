@@ -232,7 +232,7 @@ def test_failover_keeps_kept_turns_and_numbers_turns_per_conversation(fresh: lis
         assert POOL["X"].text in a.received(turn2.prepared.request_id)[0]["messages"][-1]["content"]
         b.mode = "up"
         # keep only turn 1 (answered by B): Y is a reference to it, X (carried by turn 0) is not
-        turn3 = chat_turn(client, docs("Y", "X"), "q3", {1: messages_of(turn1)})
+        turn3 = chat_turn(client, docs("X", "Y"), "q3", {1: messages_of(turn1)})
         assert turn3.prepared.turn == 3 and [r.block.id for r in turn3.prepared.references] == ["Y"]
     assert assert_every_reference_is_carried([a, b]) == 3  # turn 1 (on A, then B) and turn 3
     assert router.loads() == {"A": 0, "B": 0}

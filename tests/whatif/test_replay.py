@@ -103,18 +103,19 @@ def test_every_prompt_token_is_counted() -> None:
         TraceRequest(id="2", blocks=("b", "a"), tokens=(50, 100)),
         TraceRequest(id="3", blocks=("a", "b"), tokens=(100, 50)),
     ]
-    result = replay(trace, "trie", "online", None, shape=SHAPE)
+    result = replay(trace, "trie", "online", None, shape=SHAPE, keep_top=False)
     # prompts: system 5 + blocks 150 + question 7. The first shares nothing: sent as without
     # ContextPilot. The second is reordered onto the first's prefix (one text per block: no
-    # labels; annotation off in this shape). The third is the first's order: it reuses it too
+    # labels; annotation off in this shape; keep_top=False: its top block need not stay
+    # first). The third is the first's order: it reuses it too
     assert (result.prompt_tokens, result.cached_tokens) == (162 + 162 + 162, 0 + 155 + 155)
     assert result.block_tokens == 150 + 150 + 150 and result.max_prompt_tokens == 162
     baseline = replay(trace, "retrieval", "online", None, shape=SHAPE)
     assert (baseline.prompt_tokens, baseline.cached_tokens) == (3 * 162, 0 + 5 + 155)  # no labels
     # a fourth request is reordered onto the shared prefix: its annotation is tokens too
-    trace.append(TraceRequest(id="4", blocks=("b", "a", "d"), tokens=(50, 100, 100)))
-    without = replay(trace, "trie", "online", None, shape=SHAPE)
-    with_annotation = replay(trace, "trie", "online", None, shape=PromptShape(5, 7, 11, annotate=True))
+    trace.append(TraceRequest(id="4", blocks=("d", "b", "a"), tokens=(100, 50, 100)))
+    without = replay(trace, "trie", "online", None, shape=SHAPE, keep_top=False)
+    with_annotation = replay(trace, "trie", "online", None, shape=PromptShape(5, 7, 11, annotate=True), keep_top=False)
     assert without.cached_tokens == with_annotation.cached_tokens == 310 + 5 + 150  # system, a, b
     assert with_annotation.prompt_tokens > without.prompt_tokens
 
@@ -123,7 +124,7 @@ def test_chat_by_hand() -> None:
     """Turn 1 resends turn 0 (prompt and answer) as history and refers to its blocks."""
     trace = [
         TraceRequest(id="t0", blocks=("a", "b"), tokens=(100, 100), conversation="c"),
-        TraceRequest(id="t1", blocks=("b", "c"), tokens=(100, 100), conversation="c"),
+        TraceRequest(id="t1", blocks=("c", "b"), tokens=(100, 100), conversation="c"),
     ]
     plan: list[dict[str, object]] = []
     ours = replay(trace, "trie", "chat", None, shape=SHAPE, plan_out=plan)
@@ -146,14 +147,15 @@ def test_chat_by_hand() -> None:
 
 def test_chat_references_stay_inside_the_history_window() -> None:
     trace = [
-        TraceRequest(id=f"t{i}", blocks=("a", f"own{i}"), tokens=(50, 50), conversation="c", turn=i) for i in range(5)
+        TraceRequest(id=f"t{i}", blocks=(f"own{i}", "a"), tokens=(50, 50), conversation="c", turn=i) for i in range(5)
     ]
     plan: list[dict[str, object]] = []
     replay(trace, "trie", "chat", None, shape=SHAPE, history_turns=1, plan_out=plan)
     # "a" is referred to only while the turn that carried it is the one kept; then it is resent
     assert [row["references"] for row in plan] == [[], ["a"], [], ["a"], []]
     assert all(
-        row["blocks"] == (["a", f"own{i}"] if not row["references"] else [f"own{i}"]) for i, row in enumerate(plan)
+        row["blocks"] == ([f"own{i}"] if row["references"] else ["a", f"own{i}"] if i else ["own0", "a"])
+        for i, row in enumerate(plan)
     )
 
 
@@ -182,7 +184,8 @@ def test_feedback_modes_differ_as_the_engine_would() -> None:
     trace = multihop_trace()[:600]
     capacity = working_set_tokens(trace) // 10
     feedbacks = ("exact", "request", "usage", "none")
-    hits = {f: replay(trace, "trie", "online", capacity, feedback=f).hit_ratio for f in feedbacks}
+    # keep_top=False: the most reuse to lose, so the modes' differences show
+    hits = {f: replay(trace, "trie", "online", capacity, feedback=f, keep_top=False).hit_ratio for f in feedbacks}
     assert hits["exact"] >= hits["request"] and hits["exact"] > hits["none"]
     assert hits["usage"] > hits["none"]  # cached-token reports alone recover most of it
 

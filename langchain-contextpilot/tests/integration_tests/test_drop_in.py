@@ -312,8 +312,8 @@ def test_conversational_rag_references_only_turns_it_sends(llama: LlamaServer) -
     )
     config = {"configurable": {"thread_id": "chat"}}
     rag.invoke(QUERY, config=config)
-    rag.invoke(QUERY.upper(), config=config)  # the same documents: references to turn 0
-    assert recorder.references() == 3 and recorder.dangling() == 0
+    rag.invoke(QUERY.upper(), config=config)  # the same documents: references to turn 0 (the top in full)
+    assert recorder.references() == 2 and recorder.dangling() == 0
     rag.invoke(QUERY, config=config)  # turn 0 left the window; turn 1 carries only references
     assert recorder.dangling() == 0
     chunks = list(rag.stream(QUERY, config=config))
@@ -348,7 +348,7 @@ def test_a_reference_whose_turn_is_not_sent_goes_out_as_text(llama: LlamaServer,
     chain.invoke(QUERY, config=config)
     chain.invoke(QUERY, config=config)  # prepared with references, sent with their texts
     assert recorder.references() == 0 and recorder.dangling() == 0
-    assert pilot.stats().references_restored == 4 and pilot.stats().blocks_referenced == 4
+    assert pilot.stats().references_restored == 3 and pilot.stats().blocks_referenced == 3  # the top in full
 
 
 def test_wrapped_chat_anthropic_reports_cache_reads() -> None:

@@ -21,9 +21,9 @@ def run(env: dict[str, str]) -> str:
 def test_example_prints_the_prompts_offline() -> None:
     env = {k: v for k, v in os.environ.items() if k != "CONTEXTPILOT_ENGINE_URL"}
     out = run(env)
-    assert "priority order" in out  # question 1 sent in the conversation's first-turn order, the ranking restated
+    assert "predicted_cached_blocks=2" in out  # question 1 sent in the conversation's first-turn order
     assert "turn 0: cached prompt tokens None; 0 location references" in out
-    assert "turn 1: cached prompt tokens None; 3 location references" in out  # the conversation refers back
+    assert "turn 1: cached prompt tokens None; 2 location references" in out  # refers back (the top in full)
 
 
 def test_example_against_a_real_server(llama: LlamaServer) -> None:

@@ -151,7 +151,7 @@ def check_usage_back_in_the_pilot(pilot: ContextPilot, answers: list[Any], provi
 # ---- Anthropic: cache_control on the text block where the shared prefix ends ------------------------------
 def test_chat_anthropic_marks_where_the_shared_prefix_ends_and_reports_reads_and_writes() -> None:
     with fake_anthropic() as fake:
-        pilot = ContextPilot(plain_prompts=False)
+        pilot = ContextPilot(plain_prompts=False, keep_top=False)  # shared prefixes past the minimum
         llm = ContextPilotChatModel(
             llm=ChatAnthropic(model="claude-sonnet-4-6", base_url=fake.url, api_key="x", max_tokens=5, max_retries=0)
         )
@@ -203,7 +203,7 @@ def test_chat_anthropic_keeps_the_callers_own_markers_within_four() -> None:
 # ---- Bedrock: a cachePoint block after the text where the shared prefix ends ---------------------------------
 def test_chat_bedrock_converse_puts_cache_points_where_the_shared_prefix_ends() -> None:
     with fake_bedrock() as fake:
-        pilot = ContextPilot(plain_prompts=False)
+        pilot = ContextPilot(plain_prompts=False, keep_top=False)  # shared prefixes past the minimum
         bedrock = ChatBedrockConverse(
             model="anthropic.claude-sonnet-4-5-20250929-v1:0",
             endpoint_url=fake.url,
@@ -220,7 +220,7 @@ def test_chat_bedrock_converse_puts_cache_points_where_the_shared_prefix_ends() 
 # ---- OpenAI: prompt_cache_key from the leading documents ------------------------------------------------------
 def test_chat_openai_sends_one_prompt_cache_key_for_requests_sharing_their_leading_documents() -> None:
     with fake_openai() as fake:
-        pilot = ContextPilot(plain_prompts=False)
+        pilot = ContextPilot(plain_prompts=False, keep_top=False)  # requests sharing leading documents
         openai = ChatOpenAI(model="gpt-5", base_url=fake.base_url, api_key="x", max_retries=0)
         assert provider_of(openai) is None  # not OpenAI's own URL: no key unless asked for
         chain = rag_chain(pilot, ContextPilotChatModel(llm=openai, provider="openai"))
@@ -244,7 +244,7 @@ def test_chat_openai_gpt_5_6_gets_explicit_breakpoints_where_the_shared_prefix_e
     """From GPT-5.6 on, content parts take prompt_cache_breakpoint; outside a conversation
     the plan asks for explicit mode (no managed breakpoint writing the question too)."""
     with fake_openai() as fake:
-        pilot = ContextPilot(plain_prompts=False)
+        pilot = ContextPilot(plain_prompts=False, keep_top=False)  # shared prefixes past the minimum
         openai = ChatOpenAI(model="gpt-5.6", base_url=fake.base_url, api_key="x", max_retries=0)
         chain = rag_chain(pilot, ContextPilotChatModel(llm=openai, provider="openai"))
         for query in QUERIES:

@@ -55,7 +55,8 @@ def test_in_contextual_compression_retriever_with_metadata() -> None:
     first = ccr.invoke(QUERY, config=config)
     second = asyncio.run(ccr.ainvoke(QUERY, config=config))
     assert len(first) == len(second) == 4
-    assert all(d.metadata["contextpilot"]["reference"] for d in second)  # conversation read from metadata
+    assert all(d.metadata["contextpilot"]["reference"] for d in second[:-1])  # conversation read from metadata
+    assert not second[-1].metadata["contextpilot"]["reference"]  # the top document last, in full
 
 
 @pytest.mark.parametrize("use_async", [False, True])
@@ -76,11 +77,12 @@ def test_in_a_chain_the_compressor_reads_configurable(use_async: bool) -> None:
 
     first, second = turn(), turn()
     assert not any(d.metadata["contextpilot"]["reference"] for d in first)
-    assert all(d.metadata["contextpilot"]["reference"] for d in second)
+    assert all(d.metadata["contextpilot"]["reference"] for d in second[:-1])
+    assert not second[-1].metadata["contextpilot"]["reference"]  # the top document last, in full
 
 
 def test_lcel_helpers() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(annotate_order=True, keep_top=False)  # the annotation on, the top block anywhere
     chain = BM25ChunkRetriever(k=3) | contextpilot_reorder(pilot) | format_documents_runnable
     plain = chain.invoke(QUERY)  # shares nothing yet: sent as without ContextPilot
     assert plain == "\n\n".join(d.page_content for d in BM25ChunkRetriever(k=3).invoke(QUERY))

@@ -27,7 +27,7 @@ from tests.support import QUERY, BM25ChunkRetriever
 
 
 def test_retriever_reorders_and_annotates_without_extra_documents() -> None:
-    pilot = ContextPilot()
+    pilot = ContextPilot(annotate_order=True, keep_top=False)  # the annotation on, the top block anywhere
     retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=8), pilot=pilot)
     first = retriever.invoke(QUERY)
     assert len(first) == 8
@@ -69,7 +69,8 @@ def test_conversation_id_from_config_and_references() -> None:
     retriever = ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=5), pilot=ContextPilot(), deduplicate=True)
     retriever.invoke(QUERY, config=config)
     second = retriever.invoke(QUERY, config=config)
-    assert len(second) == 5 and all(d.metadata["contextpilot"]["reference"] for d in second)
+    assert len(second) == 5 and all(d.metadata["contextpilot"]["reference"] for d in second[:-1])
+    assert not second[-1].metadata["contextpilot"]["reference"]  # the top document goes out in full, last
     assert "Please refer to " in format_documents(second)
 
 
@@ -79,7 +80,8 @@ def test_batch_with_mixed_conversations_and_async_parity() -> None:
     configs = [{"configurable": {"thread_id": "a"}}, {"configurable": {"thread_id": "b"}}]
     retriever.batch([QUERY, QUERY], config=configs)
     again = retriever.batch([QUERY, "a different question about sports"], config=configs)
-    assert all(d.metadata["contextpilot"]["reference"] for d in again[0])  # "a" saw them already
+    assert all(d.metadata["contextpilot"]["reference"] for d in again[0][:-1])  # "a" saw them already
+    assert not again[0][-1].metadata["contextpilot"]["reference"]  # but its top document goes out in full, last
     assert pilot.stats().conversations == 2
     sync_ids = [d.id for d in ContextPilotRetriever(base_retriever=BM25ChunkRetriever(k=6)).invoke(QUERY)]
     async_ids = [
@@ -131,7 +133,7 @@ def test_two_overlapping_questions_share_the_prefix_the_first_left() -> None:
     """Issue 29: q1 goes out as retrieved; q2 (d9 d2 d5 d3 d1) lines up with q1's d3 d1, the
     same text as q1 sent them, where a labelled q2 used to share nothing with it."""
     base = FixedRetriever(results={"q1": ["d3", "d1", "d7", "d5", "d9"], "q2": ["d9", "d2", "d5", "d3", "d1"]})
-    retriever = ContextPilotRetriever(base_retriever=base, pilot=ContextPilot())
+    retriever = ContextPilotRetriever(base_retriever=base, pilot=ContextPilot(annotate_order=True, keep_top=False))
     q1 = retriever.invoke("q1")
     assert [d.id for d in q1] == ["d3", "d1", "d7", "d5", "d9"] and format_documents(q1) == "\n\n".join(
         d.page_content for d in q1
