@@ -5,6 +5,7 @@ contextpilot-integrations simulate --trace my.jsonl # your own trace
 contextpilot-integrations simulate --synthetic NAME # a generated workload (whatif.synthetic)
 contextpilot-integrations generate NAME trace.jsonl # write one as a trace
 contextpilot-integrations listen                    # the eviction callback server, standalone
+contextpilot-integrations answers --engine URL      # your model's answers with and without ContextPilot
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..core.usage import MAX_TOKENS
 from ..engines.router import Router
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
+from .answers.cli import add_answers_command, run_answers
 from .engine_compare import EngineComparison, EngineComparisonError
 from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
@@ -155,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=_count(0), default=0, help="the same seed gives the same trace (0)")
     make.add_argument("--texts", action="store_true", help="give every block a text (to send it to a server)")
     make.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_answers_command(commands)
     for name, help_text in (
         ("demo", "run the bundled MultiHop-RAG sample (2,556 real queries, BM25 top-15; grouped into chats)"),
         ("simulate", "run your own JSON-lines trace, or a generated workload (--synthetic)"),
@@ -306,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _listen(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "answers":
+        return run_answers(args)
     try:
         workload = _workload(args)
     except (TraceError, SyntheticError) as exc:
