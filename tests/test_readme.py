@@ -27,10 +27,11 @@ DOCUMENTED_SERVER = "http://127.0.0.1:30000"
 DOCUMENTED_OUTPUT = {
     ROOT / "README.md": (
         "['545', '26', '700']",
-        "['901']",
-        'Please refer to "Jury selection began on…" in the previous conversation.',
-        "['545', '26', '901'] 2",
-        "Context in priority order, by position: #2 > #1 > #3.",
+        "['901', '26']",
+        'Please refer to "FTX founder on trial…" in the previous conversation.\n\nThe defence argued...\n\n'
+        "Jury selection began on Tuesday...",
+        "['545', '26', '902'] 2",
+        "['26', '545', '901'] 0",
     ),
     ROOT / "docs" / "frameworks.md": ("'cache_read'", "reports: 1\n"),
 }
