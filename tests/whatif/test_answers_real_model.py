@@ -1,7 +1,8 @@
 """A real model's answers (Gemma 3 270M on llama-server, greedy: the same answers on every
 run of one build): ContextPilot's defaults answer as many questions as the prompts sent
-without it, within a stated margin, single-shot (fact lookups, a memory's short snippets) and in conversations. The full comparison,
-with intervals, is benchmarks/bench_answers.py; this is its smallest slice, run in CI."""
+without it, within a stated margin, single-shot (fact lookups, a memory's short snippets)
+and in conversations. The full comparison, with intervals, is benchmarks/bench_answers.py;
+this is its smallest slice, run in CI."""
 
 from __future__ import annotations
 
