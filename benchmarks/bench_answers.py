@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contextpilot_integrations.whatif.answers import ARMS, AnswerClient, WorkloadResult, arm, compare, workload
 from contextpilot_integrations.whatif.answers.compare import dumps
 
-SIZES = {"facts": 300, "facts-chat": 300, "memory": 200, "memory-chat": 150, "multihop": 60}
+SIZES = {"facts": 300, "facts-chat": 300, "memory": 200, "memory-chat": 300, "multihop": 60}
 """Questions a workload: 300 tell a 5-point loss from none where the arms disagree on ~15% of
 them; MultiHop's ~2,500-token prompts take ~15 s each on one core, hence fewer."""
 ARMS_ASKED = {
