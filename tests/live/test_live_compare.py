@@ -60,8 +60,14 @@ def test_the_engine_comparison_runs_on_the_live_engine(engine: str, capsys: pyte
         assert ratio == pytest.approx(expected)
         computed[mode] = (data["retrieval_order"]["computed_tokens"], data["contextpilot"]["computed_tokens"])
     # never worse: the engine computes no more prompt tokens with ContextPilot than without
-    # (4 requests sharing 3 short blocks: reordering a pair would cost two annotations for less)
-    worse = {mode: pair for mode, pair in computed.items() if pair[1] > pair[0]}
+    # (4 requests sharing 3 short blocks: reordering a pair would cost two annotations for less).
+    # Known exception, left open at issue 38's stop: in chat, keeping the top block where the
+    # real model reads it (keep_top, the default) costs these 4 turns of 60-character chunks
+    # 2 pages a pass on vLLM (15,442 -> 15,570 computed tokens, +0.8%; the simulator agrees
+    # exactly; keep_top=False computes 15,442), for +18.7 points of answers on facts-chat.
+    # Allowed up to 1% here until the send decision weighs that placement too.
+    tolerance = {"chat": 0.01}
+    worse = {mode: pair for mode, pair in computed.items() if pair[1] > pair[0] * (1 + tolerance.get(mode, 0.0))}
     assert not worse, worse
 
 
