@@ -181,7 +181,7 @@ class _Reader:
             self.usage = wire.usage(event["usage"], self.where)
         if self.answer_id is None and isinstance(event.get("id"), str):
             self.answer_id = event["id"]
-        self.prompt_ms = _prompt_ms(event) or self.prompt_ms
+        self.prompt_ms = wire.prompt_ms(event) or self.prompt_ms
         self.input_ids = wire.input_ids(event, self.where) or self.input_ids
         return False
 
@@ -210,14 +210,7 @@ class _Reader:
             raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
         answer_id = payload.get("id") if isinstance(payload.get("id"), str) else None
         usage, ids = wire.usage(payload.get("usage"), self.where), wire.input_ids(payload, self.where)
-        return _Parsed(text, usage, None, ids, answer_id, _prompt_ms(payload))
-
-
-def _prompt_ms(payload: dict[str, Any]) -> float | None:
-    """llama-server's own prefill time (``timings.prompt_ms``), if the answer says it."""
-    timings = payload.get("timings")
-    value = timings.get("prompt_ms") if isinstance(timings, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+        return _Parsed(text, usage, None, ids, answer_id, wire.prompt_ms(payload))
 
 
 class BlockTokenizer:

@@ -36,6 +36,7 @@ __all__ = [
     "answer_error",
     "decode_zmq_batch",
     "input_ids",
+    "prompt_ms",
     "usage",
 ]
 
@@ -150,6 +151,13 @@ def usage(raw: object, where: str) -> dict[str, Any]:
             raise EngineError(f"{where} answered malformed prompt_tokens_details: {details!r:.100}")
         _count(details.get("cached_tokens"), "cached_tokens", where)
     return raw
+
+
+def prompt_ms(payload: object) -> float | None:
+    """llama-server's own prefill time (``timings.prompt_ms``), if the answer says it."""
+    timings = payload.get("timings") if isinstance(payload, dict) else None
+    value = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def input_ids(payload: dict[str, Any], where: str) -> list[int] | None:

@@ -64,8 +64,9 @@ class ContextPilot:
         token_counter: the engine's tokenizer (:class:`~.engines.EngineTokenCounter`): blocks without
             ``tokens``, labels and annotation are weighed in its units (default: four characters a token).
         page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown).
-        keep_top: the retriever's top-ranked block goes out in full, first or else last, where a model reads
-            best (:mod:`~contextpilot_integrations.core.reading`); ``False``: anywhere (the paper's).
+        keep_top: the retriever's top-ranked block goes out in full where a model reads it best: first in a
+            prompt of its own, last after a history (:mod:`~contextpilot_integrations.core.reading`);
+            ``False``: wherever reuse puts it (the paper's).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 

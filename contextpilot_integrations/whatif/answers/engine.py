@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
+from ...engines import wire
 from ...engines.client import redact_url
 from ...errors import EngineError
 
@@ -99,6 +100,6 @@ class AnswerClient:
             str(text or "").strip(),
             int(usage.get("prompt_tokens") or 0),
             int(usage.get("completion_tokens") or 0),
-            timings.get("prompt_ms"),
+            wire.prompt_ms(data),
             timings.get("prompt_n"),
         )
