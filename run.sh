@@ -99,7 +99,7 @@ command="${1:-demo}"
 shift || true
 case "$command" in
   demo)
-    setup plot
+    setup plot,paper
     exec "$VENV/bin/contextpilot-integrations" demo "$@"
     ;;
   test)

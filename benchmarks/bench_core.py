@@ -12,7 +12,7 @@ Prints, side by side in one run:
      radix cache at 25% of the working set, with SGLang's request-level eviction notices
      applied to the pilot (target: single-shot p50 <= 35 us on the CI machine).
 
-Targets (issue 2): default strategy plans 12,000 contexts in <= 1 s and 100,000 in <= 15 s;
+Targets: default strategy plans 12,000 contexts in <= 1 s and 100,000 in <= 15 s;
 ``prepare`` p50 <= 50 us and p99 <= 200 us at every index size.
 
 Usage: python benchmarks/bench_core.py [--quick] [--skip-paper-100k] [--only online] [--rounds N]

@@ -1,4 +1,4 @@
-"""The synthetic family (issue 29, item 3): a script, not a test.
+"""The synthetic families: a script, not a test.
 
 For every named family of ``whatif.synthetic`` (memory snippets, passages, scattered,
 long chats, MultiHop-like), every mode (offline, online, chat) and cache capacity (a share

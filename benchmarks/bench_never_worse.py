@@ -1,4 +1,4 @@
-"""Never worse than retrieval order (issue 21, item 4): a script, not a test.
+"""Never worse than retrieval order: a script, not a test.
 
 Two measurements, each ContextPilot against the prompt a user sends without it (the
 retriever's order, no labels, no order annotation):

@@ -12,7 +12,7 @@ cached tokens, throughput and the busiest target's share of requests:
    round-robin; ContextPilot routing without and with micro-batching;
 4. the simulator's numbers for the same setups (``whatif.replay.replay_routed``).
 
-Target (issue 14): online mean TTFT >= 1.3x better than retrieval order with the engine's
+Target: online mean TTFT >= 1.3x better than retrieval order with the engine's
 default placement, no replica above 1.5x the mean load.
 
 Usage: python benchmarks/bench_routing.py [--requests 60] [--block-chars 150] [--slots 4] [--replicas 3]

@@ -1,4 +1,4 @@
-"""The send rule on traffic it was not tuned on (issue 29, items 1, 2 and 5): a script, not a test.
+"""The send rule on traffic it was not tuned on: a script, not a test.
 
 Three generated workloads, unlike the bundled MultiHop-RAG sample (15 blocks of ~600 tokens):
 

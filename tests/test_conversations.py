@@ -102,13 +102,18 @@ def test_a_reference_quotes_the_plain_copy_in_its_blocks_place() -> None:
     assert alone[-1]["content"].startswith(doc("long", 300).text + "\n\n" + doc("new", 300).text)
 
 
-def test_blocks_that_begin_alike_are_never_quoted() -> None:
-    """Two blocks with the same opening words: a quote could point at either, so both are
-    sent again in full; a labelled copy (the paper's form) is still referred to by label."""
+def test_blocks_that_begin_alike_are_quoted_only_by_words_that_tell_them_apart() -> None:
+    """Two blocks with the same first four words: a four-word quote could point at either,
+    so the quote takes more words (issue 39); blocks alike beyond the longest quote are sent
+    again in full; a labelled copy (the paper's form) is still referred to by label."""
     pilot = ContextPilot()
     twins = [Block(id=n, text=f"Table of Contents page {n} " + "x " * 400) for n in ("a", "b")]
     pilot.prepare(twins, "q", conversation_id="c")
-    again = pilot.prepare(twins, "q", conversation_id="c")
+    again = pilot.prepare(twins, "q", conversation_id="c")  # "a" tops: sent in full
+    assert [(r.block.id, r.quoted) for r in again.references] == [("b", "Table of Contents page b x x x")]
+    alike = [Block(id=n, text="Table of Contents " * 20 + n + " x" * 400) for n in ("a", "b")]
+    pilot.prepare(alike, "q", conversation_id="d")
+    again = pilot.prepare(alike, "q", conversation_id="d")
     assert again.references == () and [b.id for b in again.blocks] == ["b", "a"]  # the top one last
     paper = ContextPilot(plain_prompts=False, keep_top=False)  # any repeat referred to, the top one too
     paper.prepare(twins, "q", conversation_id="c")
@@ -181,3 +186,50 @@ def test_a_turn_never_costs_more_than_without_contextpilot_and_never_dangles(
         stale = dangling_references([m["content"] for m in sent])  # the caller's history, cut short
         assert dangling_references([m["content"] for m in messages]) == stale
         history += [{"role": "user", "content": prepared.render()}, {"role": "assistant", "content": "ok"}]
+
+
+def test_one_conversation_that_never_ends_is_bounded_and_refers_only_to_what_it_remembers() -> None:
+    """A conversation of 2,000 turns, three new blocks and one recurring block a turn: the
+    store remembers its last ``turn_memory`` turns only; a turn keeping recent turns still
+    refers to them, and one whose history holds a forgotten turn refers to nothing."""
+    from contextpilot_integrations.core.conversations import ConversationStore
+
+    store = ConversationStore(turn_memory=8)
+    recurring = Block(id="r", text="The recurring passage about the harbour.")
+    sizes = []
+    for turn in range(2_000):
+        blocks = [Block(id=f"t{turn}-{n}", text=f"Passage {n} of turn {turn} about the harbour.") for n in range(3)]
+        dedup = store.split("c", [*blocks, recurring], kept_turns={turn - 1, turn - 2} if turn > 1 else None)
+        store.record(dedup)
+        conversation = store._conversations["c"]
+        sizes.append((len(conversation.carrier), len(conversation.texts), len(conversation.holding)))
+        if turn > 20 and turn % 7 == 0:  # the recurring block is carried by a kept turn: referred to
+            assert [block.id for block, _, _ in dedup.repeated] == ["r"] or dedup.repeated == []
+    assert max(carried for carried, _, _ in sizes) <= 4 * 11 and max(texts for _, texts, _ in sizes) <= 4 * 11
+    assert sizes[-1][0] < 50  # not 6,000
+    assert store.split("c", [recurring], kept_turns=None).repeated == []  # the whole history: holds forgotten turns
+    assert store.split("c", [recurring], kept_turns={0, 1999}).repeated == []
+    recent = store.split(
+        "c", [Block(id="t1999-0", text="Passage 0 of turn 1999 about the harbour.")], kept_turns={1999}
+    )
+    assert [block.id for block, _, _ in recent.repeated] == ["t1999-0"]
+
+
+def test_a_pilot_with_one_endless_conversation_stays_bounded_in_memory() -> None:
+    import tracemalloc
+
+    pilot = ContextPilot(max_live_requests=1)
+    texts = [f"Note {n}: the shipment left the harbour at dawn." for n in range(4)]
+
+    def turns(start: int, count: int) -> None:
+        for turn in range(start, start + count):
+            blocks = [f"{texts[turn % 4]} (turn {turn})", texts[(turn + 1) % 4]]
+            pilot.discard(pilot.prepare(blocks, "where is it?", "endless", kept_turns={turn - 1} if turn else None))
+
+    turns(0, 1_000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    turns(1_000, 4_000)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 400_000, f"{grown:,} bytes for 4,000 more turns"  # bounded: was ~0.6 KB a turn

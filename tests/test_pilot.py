@@ -290,3 +290,30 @@ def test_a_setting_changed_after_construction_counts() -> None:
     assert not pilot.prepare(blocks, "q").labels
     pilot.plain_prompts = False  # the paper's form: every block labelled
     assert pilot.prepare(blocks, "q").labels
+
+
+def test_a_forked_worker_makes_request_ids_no_other_process_makes() -> None:
+    """A pilot made at import under ``gunicorn --preload`` lives on in every forked worker:
+    each must send ids no other worker sends (the engine refuses a duplicate ``rid``)."""
+    import os
+
+    pilot = ContextPilot()
+    before = pilot.prepare(["alpha text"], "q").request_id
+    children = []
+    for _ in range(3):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: the first ids it makes
+            os.close(read)
+            ids = [pilot.prepare([f"text {n}"], "q").request_id for n in range(2)]
+            os.write(write, "\n".join(ids).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            children.append(pipe.read().split("\n"))
+        assert os.waitpid(pid, 0)[1] == 0
+    here = [pilot.prepare([f"text {n}"], "q").request_id for n in range(2)]
+    every = [before, *here, *(rid for ids in children for rid in ids)]
+    assert len(set(every)) == len(every) == 9
+    prefixes = {rid.rsplit("-", 1)[0] for rid in every}
+    assert len(prefixes) == 4  # the parent's, and one of each worker's own

@@ -105,12 +105,25 @@ def _prepare_fields(data: dict[str, Any]) -> dict[str, Any]:
         raise BlockTypeError(f"block text must be str, got {type(text).__name__}{missing}")
     if not text.strip():
         raise InvalidBlockError("block text is empty or blank")
+    _check_encodable(text, "text")
     raw_id = data.get("id")
+    if isinstance(raw_id, str):
+        _check_encodable(raw_id, "id")
     if raw_id is None or raw_id == "":
         return {**data, "id": content_id(text)}
     if isinstance(raw_id, int) and not isinstance(raw_id, bool):
         return {**data, "id": str(raw_id)}
     return data
+
+
+def _check_encodable(value: str, field: str) -> None:
+    """Text that cannot be sent (a lone surrogate, e.g. half of an emoji cut by a splitter)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidBlockError(
+            f"block {field} is not valid Unicode: a lone surrogate {value[exc.start]!r} at character {exc.start}"
+        ) from None
 
 
 BlockLike = Block | str | Mapping[str, Any]

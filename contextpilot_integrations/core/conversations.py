@@ -10,11 +10,25 @@ label, so a reference could point at either). Conversations end explicitly, expi
 
 A reference names the earlier copy by its label where that turn sent it labelled, and
 otherwise quotes its opening words, so no turn has to carry labels for later turns to
-refer to it: a turn's prompt costs what it costs now, with no bet on turns to come. A
-block whose opening words another block this conversation sent also begins with is sent
-in full (a quote could point at either). Where references are a choice (prompts sent as
-without ContextPilot, :func:`decide_turn`), a block becomes a reference only where its
-reference costs fewer tokens than its text, counted in the blocks' own units.
+refer to it: a turn's prompt costs what it costs now, with no bet on turns to come. A quote
+must name exactly one text: a block is quoted by its first four words only where they occur
+in no other text of this turn or of a turn it keeps (another block, sent earlier or first
+sent in this very turn, at its start or inside it; a question) and nowhere in its own text
+past its first paragraph; else by its first eight words (80 characters), then sixteen (160)
+where those name it alone (:data:`~.annotations.QUOTE_LENGTHS`); otherwise it is sent in
+full. What the store cannot see (the system prompt, the answers) is checked where the
+messages leave (:func:`~.prepared.resolve_request`). Where references are a choice
+(prompts sent as without ContextPilot, :func:`decide_turn`), a block becomes a reference
+only where its reference costs fewer tokens than its text, counted in the blocks' own
+units.
+
+For that check a conversation keeps the texts it sent (the very strings given, not copies)
+and the turns that sent them, for its last ``turn_memory`` turns: a conversation that never
+ends costs a bounded amount, like the number of conversations (``ttl``,
+``max_conversations``). Older turns are forgotten: their blocks are sent in full again, and
+a turn whose history still holds one of them refers to nothing (what a reference could be
+confused with is no longer known). Each text is searched once for each quote's words (under
+the pilot's lock; remembered until turns are forgotten).
 
 Deciding and recording are two steps (:meth:`ConversationStore.split`, then
 :meth:`ConversationStore.record`), so a caller can validate everything else in between
@@ -25,12 +39,13 @@ Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` gua
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .annotations import Templates, opening, render_reference
+from .annotations import Templates, first_paragraph, openings, render_reference
 from .blocks import Block
 
 __all__ = ["ConversationStore", "Deduplication", "decide_turn", "keep_in_full"]
@@ -45,11 +60,37 @@ class _Conversation:
     # which ``str`` caches, so it costs nothing after the first use
     carrier: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     ambiguous: set[str] = field(default_factory=set)  # ids seen with two texts: always sent in full
-    # fingerprint of a carried block's opening words -> its id; two ids whose openings
-    # collide cannot be quoted
-    openings: dict[int, str] = field(default_factory=dict)
-    unquotable: set[str] = field(default_factory=set)
+    # every text this conversation sent (blocks in full, questions), once each, in order, and
+    # the turns that sent it: a quote's words must occur in none that a kept turn sent but
+    # the quoted block's own
+    texts: list[str] = field(default_factory=list)
+    sent_in: dict[str, set[int]] = field(default_factory=dict)
+    # a quote's words -> (how many of ``texts`` were searched for them, those holding them):
+    # a memo, ``texts`` only grows, so each text is searched once per quote
+    holding: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
     last_used: float = 0.0
+    horizon: int = 0  # turns before it are forgotten
+
+    def forget_before(self, horizon: int) -> None:
+        """Forget the turns before ``horizon``: what they carried, the texts only they sent."""
+        self.horizon = horizon
+        self.carrier = {block_id: kept for block_id, kept in self.carrier.items() if kept[0] >= horizon}
+        for text, turns in list(self.sent_in.items()):
+            later = {turn for turn in turns if turn >= horizon}
+            if later:
+                self.sent_in[text] = later
+            else:
+                del self.sent_in[text]
+        self.texts = [text for text in self.texts if text in self.sent_in]
+        self.holding.clear()
+
+    def remember(self, turn: int, texts: Iterable[str]) -> None:
+        for text in texts:
+            turns = self.sent_in.get(text)
+            if turns is None:
+                turns = self.sent_in[text] = set()
+                self.texts.append(text)
+            turns.add(turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +106,12 @@ class Deduplication:
     """Ids an earlier turn carried with a different text (sent in full again)."""
     labelled: bool = True
     """Whether the fresh blocks go out with their labels (later references name them by it)."""
+    texts: tuple[str, ...] = ()
+    """The turn's other texts (its question, rendered): later quotes must not name them."""
+    quotes: Mapping[str, str] = field(default_factory=dict)
+    """Block id -> the words a quote reference names it by (of the repeated blocks an earlier
+    turn sent unlabelled): the shortest of its :func:`~.annotations.openings` that names it
+    alone."""
 
 
 class ConversationStore:
@@ -75,11 +122,13 @@ class ConversationStore:
         ttl: float | None = 3600.0,
         max_conversations: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        turn_memory: int = 256,
     ) -> None:
-        if max_conversations < 1:
-            raise ValueError("max_conversations must be at least 1")
+        if max_conversations < 1 or turn_memory < 1:
+            raise ValueError("max_conversations and turn_memory must be at least 1")
         self.ttl = ttl
         self.max_conversations = max_conversations
+        self.turn_memory = turn_memory
         self._clock = clock
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
 
@@ -96,21 +145,34 @@ class ConversationStore:
         conversation_id: str,
         blocks: Sequence[Block],
         kept_turns: Collection[int] | None = None,
+        texts: Sequence[str] = (),
+        separator: str = "\n\n",
     ) -> Deduplication:
         """Split a turn's blocks into fresh ones and references; records nothing.
 
         Args:
             kept_turns: the earlier turns (0-based) still in the history the caller sends;
                 ``None`` means all of them.
+            texts: the turn's other texts the model reads (its question, as rendered): a
+                block whose opening words they contain is not quoted.
+            separator: what the prompt puts between blocks (the templates'): a block whose
+                opening words recur in its own text past its first paragraph is not quoted.
         """
         self._expire()
         conversation = self._conversations.get(conversation_id)
+        texts = tuple(texts)
         if conversation is None or not conversation.carrier:  # a first turn: every block is fresh
-            return Deduplication(conversation_id, conversation.turns if conversation else 0, list(blocks), [])
-        carrier, ambiguous, unquotable = conversation.carrier, conversation.ambiguous, conversation.unquotable
+            turn = conversation.turns if conversation else 0
+            return Deduplication(conversation_id, turn, list(blocks), [], texts=texts)
+        horizon = conversation.horizon
+        if horizon and (kept_turns is None or any(turn < horizon for turn in kept_turns)):
+            # the history holds a forgotten turn: a reference could name one of its texts
+            return Deduplication(conversation_id, conversation.turns, list(blocks), [], texts=texts)
+        carrier, ambiguous = conversation.carrier, conversation.ambiguous
         fresh: list[Block] = []
         repeated: list[tuple[Block, int, bool]] = []
         updated: list[str] = []
+        quotes: dict[str, str] = {}
         for block in blocks:
             carried = carrier.get(block.id)
             if carried is None or (ambiguous and block.id in ambiguous):
@@ -118,11 +180,18 @@ class ConversationStore:
             elif carried[1] != hash(block.text):  # the same id with another text
                 fresh.append(block)
                 updated.append(block.id)
-            elif (kept_turns is None or carried[0] in kept_turns) and (carried[2] or block.id not in unquotable):
-                repeated.append((block, carried[0], carried[2]))
-            else:  # its turn left the history, or a quote of it could point at another block
+            elif kept_turns is not None and carried[0] not in kept_turns:  # its turn left the history
                 fresh.append(block)
-        return Deduplication(conversation_id, conversation.turns, fresh, repeated, tuple(updated))
+            elif carried[2]:  # sent labelled: referred to by its label
+                repeated.append((block, carried[0], True))
+            elif words := _quote(conversation, block, blocks, texts, separator, kept_turns):
+                repeated.append((block, carried[0], False))
+                quotes[block.id] = words
+            else:  # every quote of it could name another text
+                fresh.append(block)
+        return Deduplication(
+            conversation_id, conversation.turns, fresh, repeated, tuple(updated), texts=texts, quotes=quotes
+        )
 
     def record(self, dedup: Deduplication) -> None:
         """Record a turn decided by :meth:`split`: its fresh blocks are now carried by it."""
@@ -138,8 +207,11 @@ class ConversationStore:
         if dedup.updated:
             conversation.ambiguous.update(dedup.updated)
         _carry(conversation, dedup.turn, dedup.fresh, dedup.labelled)
+        conversation.remember(dedup.turn, dedup.texts)
         conversation.turns += 1
         conversation.last_used = self._clock()
+        if conversation.turns - conversation.horizon > self.turn_memory + self.turn_memory // 4:  # now and then
+            conversation.forget_before(conversation.turns - self.turn_memory)
 
     def deduplicate(
         self,
@@ -189,13 +261,59 @@ class ConversationStore:
 
 
 def _carry(conversation: _Conversation, turn: int, blocks: Sequence[Block], labelled: bool) -> None:
-    """``turn`` carries these blocks now; each claims its opening words for quotes (two
-    blocks that begin alike can no longer be quoted)."""
+    """``turn`` carries these blocks now; their texts join those a quote must not name."""
     for block in blocks:
         conversation.carrier[block.id] = (turn, hash(block.text), labelled)
-        owner = conversation.openings.setdefault(hash(opening(block.text)), block.id)
-        if owner != block.id:
-            conversation.unquotable.update((owner, block.id))
+    conversation.remember(turn, [block.text for block in blocks])
+
+
+def _quote(
+    conversation: _Conversation,
+    block: Block,
+    blocks: Sequence[Block],
+    texts: Sequence[str],
+    separator: str,
+    kept_turns: Collection[int] | None,
+) -> str | None:
+    """The shortest quote of ``block`` (:func:`~.annotations.openings`) whose words name it
+    alone, or ``None``: the words occur in no other text of this turn (``blocks``,
+    ``texts``) nor of a turn it keeps, nor in its own text past its first paragraph (every
+    copy of it begins with them)."""
+    for words in openings(block.text):
+        if _names_alone(conversation, block, words, blocks, texts, separator, kept_turns):
+            return words
+    return None
+
+
+def _names_alone(
+    conversation: _Conversation,
+    block: Block,
+    words: str,
+    blocks: Sequence[Block],
+    texts: Sequence[str],
+    separator: str,
+    kept_turns: Collection[int] | None,
+) -> bool:
+    text = block.text
+    reach = first_paragraph(text, words, separator)
+    if text.find(words, reach - len(words) + 1) != -1:
+        return False
+    sent_in = conversation.sent_in  # this turn's texts the conversation sent already are searched below, once
+    if any(words in other for other in texts) or any(
+        words in other.text for other in blocks if other.text not in sent_in and other.text != text
+    ):
+        return False
+    earlier = conversation.texts
+    searched, holding = conversation.holding.get(words, (0, []))
+    if searched < len(earlier):
+        found = [other for other in itertools.islice(earlier, searched, None) if words in other]
+        holding = holding + found if found else holding
+        conversation.holding[words] = (len(earlier), holding)
+    here = {other.text for other in blocks} if holding else set()  # in this turn's prompt, whoever sent it before
+    return not any(
+        other != text and (other in here or kept_turns is None or not sent_in[other].isdisjoint(kept_turns))
+        for other in holding
+    )
 
 
 def keep_in_full(dedup: Deduplication, block_id: str) -> Deduplication:
@@ -218,7 +336,7 @@ def decide_turn(
     referred = {
         block.id: (block, turn, labelled)
         for block, turn, labelled in dedup.repeated
-        if count(render_reference(block, templates, labelled)) < block.token_count
+        if count(render_reference(block, templates, labelled, dedup.quotes.get(block.id))) < block.token_count
     }
     fresh = [block for block in ranking if block.id not in referred]
     return replace(dedup, fresh=fresh, repeated=list(referred.values()), labelled=False)

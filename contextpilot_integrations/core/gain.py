@@ -343,10 +343,10 @@ class Cooccurrence:
         n = self._seen.get(previous, 0)
         return self._follows.get((previous, key), 0) / n if n else 0.0
 
-    def record(self, order: Sequence[str]) -> None:
-        """One request went out with its blocks in this order."""
+    def record(self, order: Sequence[str], previous: str | None = None) -> None:
+        """One request went out with its blocks in this order (``previous``: the block before
+        them, when a long request is recorded in parts)."""
         seen, follows = self._seen, self._follows
-        previous: str | None = None
         for key in order:
             seen[key] = seen.get(key, 0) + 1
             if previous is not None:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from .annotations import (
     DEFAULT_TEMPLATES,
     Templates,
+    opening,
+    quote_status,
+    reference_spans,
     render_block,
     render_order,
     render_position_order,
@@ -15,7 +18,7 @@ from .annotations import (
 )
 from .blocks import Block
 
-__all__ = ["PreparedRequest", "Reference"]
+__all__ = ["PreparedRequest", "Reference", "resolve_history", "resolve_references", "resolve_request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,14 @@ class Reference:
     labelled: bool = True
     """Whether that turn sent the block with its label (the reference names it); else the
     reference quotes the block's opening words."""
+    words: str = ""
+    """For a quote: the opening words it quotes (empty: the block's first
+    :data:`~.annotations.QUOTE_WORDS`, :func:`~.annotations.opening`)."""
+
+    @property
+    def quoted(self) -> str:
+        """The words a quote reference names its block by."""
+        return self.words or opening(self.block.text)
 
     def target(self, templates: Templates = DEFAULT_TEMPLATES) -> str:
         """The text that must come before the reference in the messages for it to be sound."""
@@ -129,6 +140,18 @@ class PreparedRequest:
         """The blocks (the shareable prefix) and the location references (:attr:`sequence`)."""
         return self.templates.separator.join(map(self.rendered, self.sequence))
 
+    def reference_offsets(self) -> list[tuple[Reference, int]]:
+        """Each reference with where :meth:`render_context` places it (characters from its
+        start): the very sentence this request wrote, told apart from the same sentence
+        inside a document."""
+        offsets = []
+        at = 0
+        for part in self.sequence:
+            if isinstance(part, Reference):
+                offsets.append((part, at))
+            at += len(self.rendered(part)) + len(self.templates.separator)
+        return offsets
+
     def render(self, include_question: bool = True) -> str:
         """The full user prompt: context, order annotation, question."""
         parts = [self.render_context(), self.order_annotation]
@@ -146,9 +169,24 @@ class PreparedRequest:
         messages += [{"role": str(m["role"]), "content": str(m["content"])} for m in history]
         messages.append({"role": "user", "content": self.render()})
         texts = [m["content"] for m in messages]
-        if resolve_references(texts, self.references, self.templates, self.labels):
+        if resolve_request(texts, self):
             messages[-1]["content"] = texts[-1]
         return messages
+
+
+def resolve_request(texts: MutableSequence[str], request: PreparedRequest, *, last: bool = True) -> list[str]:
+    """Put back the full text of every reference of ``request`` that would not name exactly
+    one text in ``texts`` (a request's messages, in order; edited in place): see
+    :func:`resolve_references`. Each reference is the one the request placed: found where
+    the request's rendered context is in ``texts`` (the last such place), else as the last
+    copy of its sentence outside every copy of the request's own blocks; never the same
+    sentence inside a document or an earlier message.
+
+    ``last``: ``request`` is the one these messages send (every text counts against its
+    quotes); ``False`` for an earlier turn in a history (the texts up to its message count,
+    as they did when it was sent). Returns the block ids restored."""
+    placed = _placed(texts, request)
+    return _resolve(texts, placed, request.templates, request.labels, last)
 
 
 def resolve_references(
@@ -157,33 +195,116 @@ def resolve_references(
     templates: Templates = DEFAULT_TEMPLATES,
     labels: bool = True,
 ) -> list[str]:
-    """Put back the full text of every reference whose block is not rendered before it in
-    ``texts`` (a request's messages, in order; edited in place): a reference of the current
-    turn, or of an earlier turn whose message is sent again. ``labels``: whether the request
-    renders its blocks labelled (how a restored block is written). Returns the block ids
-    restored."""
-    restored = []
-    for reference in references:
-        target = reference.target(templates)
-        for index, text in enumerate(texts):
-            position = text.find(reference.text)
-            if position == -1:
-                continue
-            if not any(target in before for before in texts[:index]) and target not in text[:position]:
-                full = render_block(reference.block, templates, labels)
-                texts[index] = text[:position] + full + text[position + len(reference.text) :]
-                restored.append(reference.block.id)
-            break
-    return restored
+    """Put back the full text of every reference that would not name exactly one text in
+    ``texts`` (a request's messages, in order; edited in place). ``labels``: whether the
+    request renders its blocks labelled (how a restored block is written). Returns the
+    block ids restored.
+
+    A reference by label stays where its block is rendered, labelled, before it. A quote
+    reference stays where its opening words name exactly one text
+    (:func:`~.annotations.quote_status`, judged in every text: another block, the question,
+    the system prompt, an answer, before or after it): outside reference sentences the
+    words occur only where a copy of the quoted block begins a line (or in that copy's first
+    paragraph), and one such copy comes before the quote. Restoring one reference can make
+    another's words ambiguous (its text now carries them): checked again until none is.
+
+    Each reference is taken to be the last copy of its sentence outside every copy of these
+    references' blocks; :func:`resolve_request` knows the request's own rendering."""
+    references = list(references)
+    blocks = [reference.block.text for reference in references]
+    placed = [(reference, *found) for reference in references if (found := _last_sentence(texts, reference, blocks))]
+    return _resolve(texts, placed, templates, labels, True)
 
 
 def resolve_history(texts: MutableSequence[str], requests: Iterable[PreparedRequest]) -> bool:
     """Write out, in ``texts`` (the history sent, in order; edited in place), every reference
     of these earlier requests (oldest first) whose block the history no longer carries: a
     kept turn's message may refer to a turn that left the window. Returns whether any was."""
-    return any([bool(resolve_references(texts, r.references, r.templates, r.labels)) for r in requests])
+    return any([bool(resolve_request(texts, request, last=False)) for request in requests])
 
 
-def make_reference(block: Block, turn: int, templates: Templates, labelled: bool = True) -> Reference:
-    """The reference to ``block`` as ``turn`` sent it (``labelled`` or as its text alone)."""
-    return Reference(block, turn, render_reference(block, templates, labelled), labelled)
+def _placed(texts: Sequence[str], request: PreparedRequest) -> list[tuple[Reference, int, int]]:
+    """(reference, text index, position) of each reference ``request`` placed in ``texts``."""
+    if not request.references:
+        return []
+    offsets = request.reference_offsets()
+    context = request.render_context()
+    for index in range(len(texts) - 1, -1, -1):
+        at = texts[index].rfind(context)
+        if at != -1:
+            return [(reference, index, at + offset) for reference, offset in offsets]
+    own = [block.text for block in request.ranking] or [r.block.text for r in request.references]
+    return [
+        (reference, *found) for reference, _ in offsets if (found := _last_sentence(texts, reference, own)) is not None
+    ]
+
+
+def _last_sentence(texts: Sequence[str], reference: Reference, own: Sequence[str]) -> tuple[int, int] | None:
+    """The last copy of ``reference``'s sentence in ``texts`` that no copy of ``own`` (the
+    request's block texts) holds: the one the request wrote."""
+    sentence = reference.text
+    for index in range(len(texts) - 1, -1, -1):
+        text = texts[index]
+        at = text.rfind(sentence)
+        while at != -1:
+            end = at + len(sentence)
+            inside = any(
+                len(block) >= len(sentence) and text.find(block, max(0, end - len(block)), at + len(block)) != -1
+                for block in own
+            )
+            if not inside:
+                return index, at
+            at = text.rfind(sentence, 0, end - 1)
+    return None
+
+
+def _resolve(
+    texts: MutableSequence[str],
+    placed: list[tuple[Reference, int, int]],
+    templates: Templates,
+    labels: bool,
+    last: bool,
+) -> list[str]:
+    restored: set[str] = set()
+    order = [reference.block.id for reference, _, _ in placed]
+    while placed:
+        masks = [reference_spans(text, templates) for text in texts]
+        going = [entry for entry in placed if not _stays(texts, entry, templates, masks, last)]
+        if not going:
+            break
+        for reference, index, position in sorted(going, key=lambda entry: (entry[1], -entry[2])):
+            full = render_block(reference.block, templates, labels)
+            text = texts[index]
+            texts[index] = text[:position] + full + text[position + len(reference.text) :]
+            shift = len(full) - len(reference.text)
+            placed = [
+                (other, i, p + shift if i == index and p > position else p)
+                for other, i, p in placed
+                if other is not reference
+            ]
+            restored.add(reference.block.id)
+    return [block_id for block_id in order if block_id in restored]
+
+
+def _stays(
+    texts: Sequence[str],
+    entry: tuple[Reference, int, int],
+    templates: Templates,
+    masks: Sequence[Sequence[tuple[int, int]]],
+    last: bool,
+) -> bool:
+    reference, index, position = entry
+    if reference.labelled:
+        target = reference.target(templates)
+        return any(target in before for before in texts[:index]) or target in texts[index][:position]
+    scope = texts if last else texts[: index + 1]
+    return quote_status(scope, index, position, reference.quoted, templates, reference.block.text, masks) == "found"
+
+
+def make_reference(
+    block: Block, turn: int, templates: Templates, labelled: bool = True, words: str | None = None
+) -> Reference:
+    """The reference to ``block`` as ``turn`` sent it (``labelled`` or as its text alone,
+    quoted by ``words``: default its first words)."""
+    quote = "" if labelled or words is None else words
+    return Reference(block, turn, render_reference(block, templates, labelled, quote or None), labelled, quote)

@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import BlockTypeError
+from ..errors import BlockTypeError, InvalidBlockError
 
 __all__ = [
     "MAX_BLOCKS",
@@ -29,6 +29,12 @@ Larger ones are refused before anything is applied; no real prompt or engine ste
 def check_query(query: object) -> None:
     if not isinstance(query, str):
         raise BlockTypeError(f"query must be str, got {type(query).__name__}")
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidBlockError(
+            f"query is not valid Unicode: a lone surrogate {query[exc.start]!r} at character {exc.start}"
+        ) from None
 
 
 def check_conversation_id(conversation_id: object) -> None:
@@ -77,11 +83,18 @@ def check_kept_turns(kept_turns: object) -> frozenset[int] | None:
     return frozenset(turns)
 
 
-def unknown_argument(owner: str, name: str, known: Sequence[str], pilot_hint: str) -> str:
+_ENGINE_NAMES = ("server", "backend")
+"""Names used elsewhere for what this project calls ``engine`` everywhere."""
+
+
+def unknown_argument(owner: str, name: str, known: Sequence[str], pilot_hint: str, where: str = "base_url=") -> str:
     """Why a framework class refuses the argument ``name`` (a misspelt field is never silently
-    ignored), and what was probably meant; ``pilot=`` gets ``pilot_hint``: who takes the pilot."""
+    ignored), and what was probably meant; ``pilot=`` gets ``pilot_hint``: who takes the pilot;
+    ``server=`` and the like: ``engine=``, and ``where``, the argument saying where it is."""
     if name == "pilot":
         hint = f": the pilot belongs to {pilot_hint}"
+    elif name in _ENGINE_NAMES and "engine" in known:
+        hint = f": it takes engine= (which engine: sglang, vllm, llamacpp, openai); where it is goes in {where}"
     else:
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"

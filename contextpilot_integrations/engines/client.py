@@ -356,6 +356,24 @@ def _block_texts(prepared: PreparedRequest) -> list[str]:
     return [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
 
 
+_CLIENT_SETTINGS = frozenset(
+    {
+        "timeout",
+        "deadline",
+        "api_key",
+        "base_url",
+        "engine",
+        "id_fields",
+        "extra_body",
+        "listener",
+        "usage_feedback",
+        "pilot",
+        "max_response_bytes",
+    }
+)
+"""The client's own settings: given to a call, they would be sent inside the body."""
+
+
 class OpenAICompatClient:
     """Chat completions for prepared requests, sync and async, streaming or not.
 
@@ -460,11 +478,24 @@ class OpenAICompatClient:
         """The JSON body for a prepared request (history goes between system and prompt; a
         reference whose block it does not carry goes out as the block's text)."""
         messages: list[dict[str, Any]] = list(prepared.to_messages(system_prompt, history or ()))
+        return self._body(messages, prepared.request_id, stream, params)
+
+    def _body(
+        self, messages: list[dict[str, Any]], request_id: str, stream: bool, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The JSON body: ``params`` are body fields (``max_tokens``, ``temperature``, ...);
+        a name of the client's own settings there is refused, never sent to the engine."""
+        settings = sorted(_CLIENT_SETTINGS.intersection(params))
+        if settings:
+            raise TypeError(
+                f"{', '.join(settings)}: a setting of OpenAICompatClient (OpenAICompatClient(..., {settings[0]}=...)), "
+                "not a field of the request body; keyword arguments of a call go into the body"
+            )
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
         for name in self.id_fields:
-            body[name] = prepared.request_id
+            body[name] = request_id
         body.update(self.extra_body)
         body.update(params)
         return body
@@ -513,13 +544,7 @@ class OpenAICompatClient:
             EngineUnavailable, EngineHTTPError, EngineError: as :meth:`chat`.
         """
         request_id = request_id if request_id is not None else f"plain-{uuid.uuid4().hex}"
-        body: dict[str, Any] = {"model": self.model, "messages": [dict(m) for m in messages], "stream": stream}
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        for name in self.id_fields:
-            body[name] = request_id
-        body.update(self.extra_body)
-        body.update(params)
+        body = self._body([dict(m) for m in messages], request_id, stream, params)
         start = time.perf_counter()
         try:
             with deadline(self.deadline) as end:

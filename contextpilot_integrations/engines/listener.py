@@ -9,12 +9,18 @@ hardened for a loopback service a browser could reach: it binds 127.0.0.1 by def
 needs a non-empty token anywhere else; refuses bodies over ``max_body_bytes`` (413),
 batches over ``max_batch_blocks`` blocks (413), non-JSON content types (415), foreign
 ``Host`` headers on a loopback bind and any ``Origin`` header (403: DNS rebinding and
-cross-site requests from browser pages); closes connections idle for ``idle_timeout``
-seconds and, at ``max_connections``, closes the longest-idle one to admit a new client
-(503 when all are busy); gives a request ``header_timeout`` seconds from its first byte to
-the end of its head and ``body_timeout`` more for its body, so a client dripping a header
-line at a time cannot keep a connection busy (closed; 408 for a late body); and answers
-every malformed request with 400, never a traceback.
+cross-site requests from browser pages); refuses lists longer than a batch may be before
+validating them, and validates up to the first bad item (a body of invalid items costs one
+error); answers a body over the limit with 413 and reads the rest away, so the client sees
+the answer, not a reset; closes connections idle for ``idle_timeout`` seconds and, at
+``max_connections``, closes the longest-idle one, else the oldest that has proven nothing
+(no token shown, no request answered), to seat a new client (503 only when every seat holds
+a proven client busy with a request); gives a connection's first request ``header_timeout``
+seconds from the connection to the end of its head (later ones from their first byte) and
+``body_timeout`` more for its body, so a client dripping a header line at a time cannot keep
+a connection busy (closed; 408 for a late body); and answers every malformed request with
+400, never a traceback. Without a token, anyone on the host may post, so what it receives
+stays in this worker's index and is never published to a shared log.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..core.validation import MAX_BLOCKS
 from ..pilot import ContextPilot
@@ -53,7 +60,7 @@ _HOST = re.compile(r"\[?([^\[\]]+?)\]?(?::[0-9]+)?")
 class EvictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    request_ids: list[str]
+    request_ids: list[str] = Field(fail_fast=True)
 
 
 class _Server(ThreadingHTTPServer):
@@ -87,7 +94,7 @@ class _Server(ThreadingHTTPServer):
         self.body_timeout = body_timeout
         self.loopback = loopback
         self.stopped = False
-        self._connections: dict[socket.socket, float | None] = {}  # socket -> idle since (None: busy)
+        self._connections: dict[socket.socket, _Seat] = {}
         self._table_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -95,17 +102,30 @@ class _Server(ThreadingHTTPServer):
             if self.stopped:
                 self._refuse(request)
                 return
-            if len(self._connections) >= self.max_connections:
-                idle = [(since, sock) for sock, since in self._connections.items() if since is not None]
-                if not idle:
-                    self._refuse(request)
-                    return
-                _, victim = min(idle, key=lambda item: item[0])
-                self._connections.pop(victim)
-                _close_quietly(victim)
-                self.sink.count("idle_connections_closed")
-            self._connections[request] = time.monotonic()
+            if len(self._connections) >= self.max_connections and not self._make_room():
+                self._refuse(request)
+                return
+            self._connections[request] = _Seat(time.monotonic())
         super().process_request(request, client_address)
+
+    def _make_room(self) -> bool:
+        """At the bound, close the longest-idle connection (a client's between its requests),
+        else the oldest one that has not proven itself (no request answered, no token shown:
+        one that sends nothing, or drips its request); a proven client busy with a request
+        keeps its seat. Under the table lock."""
+        seats = self._connections.items()
+        idle = [(seat.idle_since, sock) for sock, seat in seats if seat.idle_since is not None]
+        if idle:
+            victim, counter = min(idle, key=lambda item: item[0])[1], "idle_connections_closed"
+        else:
+            unproven = [(seat.accepted, sock) for sock, seat in seats if not seat.proven]
+            if not unproven:
+                return False
+            victim, counter = min(unproven, key=lambda item: item[0])[1], "unproven_connections_closed"
+        self._connections.pop(victim)
+        _close_quietly(victim)
+        self.sink.count(counter)
+        return True
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a client that vanished mid-request (or a connection closed by stop()): no traceback
@@ -118,8 +138,16 @@ class _Server(ThreadingHTTPServer):
 
     def mark(self, connection: socket.socket, busy: bool) -> None:
         with self._table_lock:
-            if connection in self._connections:
-                self._connections[connection] = None if busy else time.monotonic()
+            seat = self._connections.get(connection)
+            if seat is not None:  # a connection is idle between requests, once one was answered
+                seat.idle_since = None if busy or not seat.proven else time.monotonic()
+
+    def prove(self, connection: socket.socket) -> None:
+        """The client showed the token, or had a request answered: it keeps its seat."""
+        with self._table_lock:
+            seat = self._connections.get(connection)
+            if seat is not None:
+                seat.proven = True
 
     def close_all(self) -> None:
         with self._table_lock:
@@ -139,6 +167,34 @@ class _Server(ThreadingHTTPServer):
         except OSError:
             pass
         _close_quietly(request)
+
+
+LINGER_SECONDS = 2.0
+"""How long a refused request's body is read away before its connection closes."""
+
+
+def _linger(connection: socket.socket, max_bytes: int) -> None:
+    """Half-close after the answer, then discard what the client still sends, within
+    :data:`LINGER_SECONDS` and twice ``max_bytes``, so it reads the answer, not a reset."""
+    end = time.monotonic() + LINGER_SECONDS
+    left = 2 * max_bytes
+    with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_WR)
+        while left > 0 and (remaining := end - time.monotonic()) > 0:
+            connection.settimeout(remaining)
+            chunk = connection.recv(min(left, 1 << 16))
+            if not chunk:
+                break
+            left -= len(chunk)
+
+
+@dataclass(slots=True)
+class _Seat:
+    """One open connection in the table."""
+
+    accepted: float
+    idle_since: float | None = None  # waiting for its next request since (None: none answered yet, or busy)
+    proven: bool = False
 
 
 def _close_quietly(connection: socket.socket) -> None:
@@ -164,8 +220,12 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def await_request(self, header_timeout: float) -> None:
+    def await_request(self, header_timeout: float, from_now: bool = False) -> None:
+        """The next request's head is due ``header_timeout`` seconds from its first byte (from
+        now, for a connection's first request: a client that connects and sends nothing goes)."""
         self._deadline, self._head_budget, self.expired = None, header_timeout, False
+        if from_now:
+            self._deadline, self._head_budget = time.monotonic() + header_timeout, None
 
     def expect_body(self, body_timeout: float) -> None:
         self._deadline, self._head_budget = time.monotonic() + body_timeout, None
@@ -207,6 +267,9 @@ class _Handler(BaseHTTPRequestHandler):
     wbufsize = -1  # headers and body leave in one segment (no delayed-ACK stalls)
     disable_nagle_algorithm = True
 
+    _linger = False
+    _answered = False  # a request of this connection was answered
+
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.idle_timeout)  # per connection: idle clients go
@@ -215,7 +278,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(self._reader)
 
     def handle_one_request(self) -> None:
-        self._reader.await_request(self.server.header_timeout)
+        self._reader.await_request(self.server.header_timeout, from_now=not self._answered)
         self._slow_counted = False
         try:
             super().handle_one_request()  # a TimeoutError while reading the head closes the connection
@@ -266,14 +329,19 @@ class _Handler(BaseHTTPRequestHandler):
             payload = self._json()
             if self.server.stopped:
                 raise _BadRequest(503, "the listener is stopping")
+            # without a token anyone on this host may post: what they say stays in this worker
+            local = contextlib.nullcontext() if self.server.token is not None else sink.pilot.unshared()
+            _check_sizes(payload, self.server.max_batch_blocks)  # before validating: one error, not millions
             if self.path == "/kv-events":
                 batch = KvEventBatch.model_validate(payload)
                 if batch.block_count > self.server.max_batch_blocks:
                     raise _BadRequest(413, f"batch over {self.server.max_batch_blocks} blocks")
-                applied = sink.apply(batch)
+                with local:
+                    applied = sink.apply(batch)
                 self._reply(200, {"status": "ok" if applied else "duplicate"})
             else:
-                known = sink.evict(EvictRequest.model_validate(payload).request_ids)
+                with local:
+                    known = sink.evict(EvictRequest.model_validate(payload).request_ids)
                 self._reply(200, {"evicted": known})
         except _BadRequest as exc:
             sink.reject()
@@ -306,6 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not hmac.compare_digest(given.encode(), server.token.encode()):
                 status, message = 401, "missing or wrong token"
         if not status:
+            if server.token is not None:
+                server.prove(self.connection)  # admitted by its token before its body is read
             return True
         server.sink.reject()
         self._drain()
@@ -336,7 +406,13 @@ class _Handler(BaseHTTPRequestHandler):
             except TimeoutError:
                 self.close_connection = True
         else:
-            self.close_connection = True
+            self.close_connection = self._linger = True
+
+    def finish(self) -> None:
+        super().finish()
+        if self._linger:
+            self._linger = False
+            _linger(self.connection, self.server.max_body_bytes)
 
     def _reply(self, status: int, payload: dict[str, Any], close: bool = False) -> None:
         data = json.dumps(payload, allow_nan=False).encode()
@@ -346,8 +422,31 @@ class _Handler(BaseHTTPRequestHandler):
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True
+            # a body left unread (over the limit, or refused): read it away before closing, or
+            # the client, still sending, gets a reset instead of this answer
+            self._linger = self._linger or status in (411, 413)
         self.end_headers()
         self.wfile.write(data)
+        self._answered = True
+        if status < 400:
+            self.server.prove(self.connection)
+
+
+def _check_sizes(payload: Any, max_blocks: int) -> None:
+    """Lists longer than any batch may be, refused (413) before they are validated item by item."""
+    if not isinstance(payload, dict):
+        return
+    for name in ("events", "request_ids"):
+        items = payload.get(name)
+        if isinstance(items, list) and len(items) > max_blocks:
+            raise _BadRequest(413, f"{name}: over {max_blocks} items")
+    events = payload.get("events")
+    if isinstance(events, list):
+        named = sum(
+            len(e["block_hashes"]) for e in events if isinstance(e, dict) and isinstance(e.get("block_hashes"), list)
+        )
+        if named > max_blocks:
+            raise _BadRequest(413, f"batch over {max_blocks} blocks")
 
 
 def _loopback_host(header: str | None) -> bool:
@@ -366,7 +465,8 @@ class EvictionListener:
         host: interface to bind; 127.0.0.1 by default (anything else needs a ``token``).
         port: 0 picks a free port (see :attr:`url`).
         token: shared secret expected in the ``X-ContextPilot-Token`` header (or as a
-            bearer token); must not be empty.
+            bearer token; the engine's plugin sends ``CONTEXTPILOT_EVENTS_TOKEN``); must not
+            be empty. Needed for the events to reach other workers through a shared index.
         max_body_bytes: larger requests are refused with 413.
         max_batch_blocks: event batches naming more blocks are refused with 413
             (:data:`~contextpilot_integrations.core.validation.MAX_BLOCKS`, as everywhere).
@@ -405,6 +505,12 @@ class EvictionListener:
         for name, seconds in (("idle", idle_timeout), ("header", header_timeout), ("body", body_timeout)):
             if not (math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"{name}_timeout must be a positive number of seconds")
+        if token is None and getattr(pilot, "shared", None) is not None:
+            logger.warning(
+                "contextpilot listener without a token: any process on this host may post to it, so the "
+                "events it receives stay in this worker and are not shared; give it a token (and the engine "
+                "CONTEXTPILOT_EVENTS_TOKEN) to share them with every worker"
+            )
         self.sink = KvEventSink(pilot, block_map if block_map is not None else EngineBlockMap(page_size))
         self._server = _Server(
             (host, port),

@@ -62,6 +62,9 @@ class SinkStats(BaseModel):
     rejected: int = 0
     connections_refused: int = 0
     idle_connections_closed: int = 0
+    unproven_connections_closed: int = 0
+    """Connections closed mid-request at the bound to seat a new client: none had shown the
+    token or had a request answered (clients dripping a request)."""
     slow_requests_closed: int = 0
     """Connections closed because a request's head or body did not arrive in time."""
     tracked_requests: int = 0

@@ -71,9 +71,9 @@ class _Event(BaseModel):
 
 class BlockStoredEvent(_Event):
     type: Literal["BlockStored"]
-    block_hashes: list[BlockHash]
+    block_hashes: list[BlockHash] = Field(fail_fast=True)
     parent_block_hash: BlockHash | None = None
-    token_ids: list[int]
+    token_ids: list[int] = Field(fail_fast=True)
     block_size: int = Field(gt=0)
     medium: str | None = None
 
@@ -88,7 +88,7 @@ class BlockStoredEvent(_Event):
 
 class BlockRemovedEvent(_Event):
     type: Literal["BlockRemoved"]
-    block_hashes: list[BlockHash]
+    block_hashes: list[BlockHash] = Field(fail_fast=True)
     medium: str | None = None
 
 
@@ -105,7 +105,8 @@ class KvEventBatch(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     seq: int = Field(ge=0, lt=2**63)
-    events: list[KvEvent]
+    events: list[KvEvent] = Field(fail_fast=True)
+    """Validated up to the first bad item: a body of invalid ones costs one error, not one each."""
     ts: float | None = Field(default=None, allow_inf_nan=False)
     """Publisher's wall-clock time when the batch was published (for latency)."""
     rank: int = Field(default=0, ge=0, lt=2**31)
@@ -214,7 +215,10 @@ def decode_zmq_batch(
             ``max_bytes`` or names more than ``max_blocks`` blocks (refused before any
             event is validated or applied).
     """
-    import msgspec
+    try:
+        import msgspec
+    except ImportError as exc:
+        raise ImportError("reading ZMQ events needs msgspec: pip install 'contextpilot-integrations[engines]'") from exc
 
     if len(payload) > max_bytes:
         raise ValueError(f"batch of {len(payload):,} bytes, over {max_bytes:,}")

@@ -147,7 +147,12 @@ class ZmqEventSubscriber:
             raise ValueError("max_replay_gap must be >= 0")
         if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
             raise ValueError("heartbeat must be None or a positive number of seconds")
-        import zmq
+        try:
+            import zmq
+        except ImportError as exc:
+            raise ImportError(
+                "the ZMQ subscriber needs pyzmq: pip install 'contextpilot-integrations[engines]'"
+            ) from exc
 
         self.sink = sink
         self.endpoint = endpoint

@@ -8,24 +8,36 @@ the matched node's blocks first (Alg. 2). The structure is a tree by constructio
 node is created once, under one parent.
 
 Not thread-safe on its own: :class:`~contextpilot_integrations.ContextPilot` guards it.
+Batch builds need scipy (the ``paper`` extra), imported only when a tree is made: importing
+the package stays fast, and an install without the extra runs every other strategy.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
-from scipy.cluster.hierarchy import linkage
 
 from ..errors import DuplicateRequestError
 from .distance import ALPHA, condensed_distances, context_distance
 
-__all__ = ["ClusterTree", "LinkageMethod"]
+__all__ = ["SCIPY_MISSING", "ClusterTree", "LinkageMethod", "scipy_missing"]
 
 LinkageMethod = Literal["single", "complete", "average", "weighted", "centroid", "median", "ward"]
 """scipy's linkage methods."""
+
+SCIPY_MISSING = "the paper strategy needs scipy: pip install 'contextpilot-integrations[paper]'"
+
+
+def scipy_missing() -> bool:
+    """Whether scipy is absent (found without importing it, which takes a second)."""
+    try:
+        return importlib.util.find_spec("scipy") is None
+    except ValueError:  # in sys.modules as None: blocked on purpose
+        return True
 
 
 class _Node:
@@ -91,6 +103,8 @@ class ClusterTree:
         max_cluster_size: int = 16_000,
         progress: Callable[[Sequence[int]], Sequence[int]] | None = None,
     ) -> None:
+        if scipy_missing():
+            raise ImportError(SCIPY_MISSING)
         self.alpha = alpha
         self.linkage_method = linkage_method
         self.max_cluster_size = max_cluster_size
@@ -226,6 +240,8 @@ class ClusterTree:
         if m > 1:
             numbering: dict[Hashable, int] = {}
             coded = [[numbering.setdefault(k, len(numbering)) for k in keys] for keys in leaves]
+            from scipy.cluster.hierarchy import linkage  # here: it takes a second to import
+
             merges = linkage(condensed_distances(coded, self.alpha), method=self.linkage_method)
             size = [1] * m
             for a, b in merges[:, :2].astype(np.int64).tolist():

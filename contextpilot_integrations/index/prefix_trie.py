@@ -134,8 +134,28 @@ class PrefixTrie(Generic[K]):
         """Record that ``request_id`` was sent with ``order``; returns the blocks it reused."""
         if request_id in self._terminal:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
-        node = self.root
-        node.count += 1
+        self.root.count += 1
+        return self._walk(request_id, self.root, order)[1]
+
+    def end_of(self, request_id: str) -> object | None:
+        """Where a live request's path ends (for :meth:`extend`), ``None`` when it is not live."""
+        return self._terminal.get(request_id)
+
+    def extend(self, request_id: str, more: Sequence[K], after: object) -> object | None:
+        """Continue a live request's path by ``more`` (a long request entered in parts, the
+        pilot's lock let go between them). ``after``: where its path ended after the previous
+        part; if it moved since (truncated, evicted, restored), nothing changes and ``None``
+        is returned. Returns where the path ends now."""
+        node = self._terminal.get(request_id)
+        if node is None or node is not after:
+            return None
+        node.request_ids.discard(request_id)  # type: ignore[union-attr]
+        return self._walk(request_id, node, more)[0]
+
+    def _walk(self, request_id: str, node: _Node[K], order: Sequence[K]) -> tuple[_Node[K], int]:
+        """Take ``order`` below ``node`` for ``request_id``: along the children that exist
+        (counted once more), then new ones; the request ends where it stops. Returns that
+        node and how many keys were already there."""
         reused = 0
         for key in order:  # walk the shared part
             child = node.children.get(key)
@@ -152,7 +172,7 @@ class PrefixTrie(Generic[K]):
             node.request_ids = set()
         node.request_ids.add(request_id)
         self._terminal[request_id] = node
-        return reused
+        return node, reused
 
     def evict(self, request_id: str) -> bool:
         """Forget a request; remove the nodes no other live request passes through."""

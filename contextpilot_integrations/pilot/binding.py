@@ -15,16 +15,23 @@ the engine, every location reference must point at text that is in those message
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.annotations import DEFAULT_TEMPLATES, Templates, render_block
+from ..core.annotations import (
+    AMBIGUOUS,
+    DEFAULT_TEMPLATES,
+    Templates,
+    quote_status,
+    reference_pattern,
+    reference_spans,
+    render_block,
+)
 from ..core.blocks import CHARS_PER_TOKEN, BlockLike
-from ..core.prepared import PreparedRequest, resolve_references
+from ..core.prepared import PreparedRequest, resolve_references, resolve_request
 from . import ContextPilot
 
 __all__ = [
@@ -95,7 +102,7 @@ class RunBinder:
 
     def deposit(self, run: RunId, binding: Binding) -> object:
         """The step running as ``run`` prepared ``binding.prepared`` for a later model call.
-        Returns the deposit, for :meth:`claim`."""
+        Returns the deposit."""
         with self._lock:
             self._count += 1
             deposit = _Deposit(run, binding, self._count)
@@ -103,16 +110,6 @@ class RunBinder:
             if len(self._deposits) > self.max_deposits:
                 del self._deposits[: len(self._deposits) - self.max_deposits]
             return deposit
-
-    def claim(self, deposit: object) -> Binding | None:
-        """Take this very deposit (made by :meth:`deposit`) unless a call took it already."""
-        if not isinstance(deposit, _Deposit):
-            return None
-        with self._lock:
-            if deposit.taken:
-                return None
-            deposit.taken = True
-            return deposit.binding
 
     def take(self, run: RunId | None) -> Binding | None:
         """The deposit for a model call at ``run`` (its parent run, or the call's own run):
@@ -179,8 +176,8 @@ class RunBinder:
 
 def checked_for_sending(binding: Binding, texts: MutableSequence[str]) -> Binding:
     """Where messages leave for the engine: write out every reference of the bound request
-    whose block ``texts`` (the outgoing messages' texts, in order; edited in place) do not
-    carry, tell its pilot, and return the binding located in that prompt."""
+    that ``texts`` (the outgoing messages' texts, in order; edited in place) do not resolve
+    to exactly one text, tell its pilot, and return the binding located in that prompt."""
     restored = restore_references(binding.prepared, texts)
     if restored:
         binding.pilot.note_restored(binding.prepared, restored)
@@ -188,23 +185,32 @@ def checked_for_sending(binding: Binding, texts: MutableSequence[str]) -> Bindin
 
 
 def restore_references(prepared: PreparedRequest, texts: MutableSequence[str]) -> list[str]:
-    """Put back the full text of every reference of ``prepared`` whose target is not earlier
-    in ``texts`` (the outgoing messages' texts, in order; edited in place). A reference may
-    stay only if the block text it points to comes before it in the same request.
+    """Put back the full text of every reference of ``prepared`` that would not name exactly
+    one text in ``texts`` (the outgoing messages' texts, in order; edited in place): a
+    reference by label stays only if its block, labelled, comes before it; a quote only if
+    its words begin a copy of its block before it and occur nowhere else in ``texts``
+    outside that block's first paragraph (the system prompt, another document, the
+    question, an answer; :func:`~contextpilot_integrations.core.prepared.resolve_references`).
+    Only the reference the request placed is replaced (found by the request's own
+    rendering), never the same sentence inside a document or an earlier message.
     Returns the ids of the blocks restored (sent in full after all)."""
-    return resolve_references(texts, prepared.references, prepared.templates, prepared.labels)
+    return resolve_request(texts, prepared)
 
 
 def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
-    """The location references in ``texts`` (a request's messages, in order) whose block is
-    not rendered before them: what the model would be told to find but cannot, each as it
-    names the block (``[label]``, or the quoted opening words). A quote counts as found only
-    in text outside other references. An audit for tests and logs; the chat model classes
+    """The location references in ``texts`` (a request's messages, in order) that do not
+    name exactly one text before them: what the model would be told to find but cannot,
+    each as it names the block (``[label]``, or the quoted opening words). A quote counts as
+    found only where a copy of a block begins with its words: where a line begins, outside
+    reference sentences; it is named with :data:`~.annotations.AMBIGUOUS` appended where the
+    words begin another text too, or occur inside one (another document, the question, the
+    system prompt), in the messages up to the end of the one that holds the quote (what the
+    model had read when that turn was sent; a later turn's blocks do not count against it).
+    Copies are told apart by their first paragraph (up to the templates' separator): the
+    block's own text is unknown here. An audit for tests and logs; the chat model classes
     prevent it with :func:`restore_references`."""
-    head, _, tail = templates.reference.partition("{label}")
-    by_label = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail))
-    head, _, tail = templates.quote_reference.partition("{opening}")
-    by_quote = re.compile(re.escape(head) + r"(.+?)" + re.escape(tail), re.DOTALL)
+    by_label = reference_pattern(templates)
+    by_quote = reference_pattern(templates, quote=True)
     block_head = templates.block.split("{text}")[0]
     joined = "\n".join(texts)
     dangling = [
@@ -212,13 +218,13 @@ def dangling_references(texts: Sequence[str], templates: Templates = DEFAULT_TEM
         for match in by_label.finditer(joined)
         if block_head.format(label=match.group(1)) not in joined[: match.start()]
     ]
-    outside: list[str] = []  # the text between quote references, up to the one at hand
-    cursor = 0
-    for match in by_quote.finditer(joined):
-        outside.append(joined[cursor : match.start()])
-        cursor = match.end()
-        if not any(match.group(1) in text for text in outside):
-            dangling.append(f'"{match.group(1)}"')
+    masks = [reference_spans(text, templates) for text in texts]
+    for index, text in enumerate(texts):
+        for match in by_quote.finditer(text):
+            words = match.group(1)
+            status = quote_status(texts[: index + 1], index, match.start(), words, templates, masks=masks)
+            if status != "found":
+                dangling.append(f'"{words}"' + (AMBIGUOUS if status == "ambiguous" else ""))
     return dangling
 
 
@@ -264,14 +270,18 @@ def _inner_content(part: Mapping[str, Any]) -> Any:
 
 def invariant_breaches(bodies: Iterable[Mapping[str, Any]], templates: Templates = DEFAULT_TEMPLATES) -> list[str]:
     """What the chat request bodies sent to an engine break of the two invariants a user
-    cannot check: a location reference whose block is not before it in the same messages
-    (:func:`dangling_references`), and a request id (``rid`` or ``request_id``) that more
-    than one body sent. Empty when both hold. An audit for tests and logs."""
+    cannot check: a location reference whose block is not before it in the same messages,
+    or a quote that names more than one text (:func:`dangling_references`), and a request
+    id (``rid`` or ``request_id``) that more than one body sent. Empty when both hold. An
+    audit for tests and logs."""
     breaches: list[str] = []
     ids: Counter[str] = Counter()
     for body in bodies:
         breaches += [
-            f"reference to {name} without its text" for name in dangling_references(message_texts(body), templates)
+            f"reference to {name.removesuffix(AMBIGUOUS)} naming more than one text"
+            if name.endswith(AMBIGUOUS)
+            else f"reference to {name} without its text"
+            for name in dangling_references(message_texts(body), templates)
         ]
         rid = body.get("rid") or body.get("request_id")
         if rid is not None:

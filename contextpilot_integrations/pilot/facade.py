@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.annotations import DEFAULT_TEMPLATES, Templates
@@ -35,9 +37,12 @@ from .wiring import share
 if TYPE_CHECKING:
     from ..shared.client import SharedIndex
 
-__all__ = ["ContextPilot", "join"]
+__all__ = ["ContextPilot", "join", "sent_in_parts"]
 
 _Store = TypeVar("_Store", bound=ConversationStore)
+
+SENT_PART = 1_024
+"""Blocks of another worker's request indexed under one hold of the pilot's lock."""
 
 
 class ContextPilot:
@@ -89,11 +94,9 @@ class ContextPilot:
         keep_top: bool = True,
         **strategy_options: Any,
     ) -> None:
-        if max_live_requests < 1:
-            raise ValueError("max_live_requests must be at least 1")
+        if max_live_requests < 1 or order_form not in FORMS:
+            raise ValueError(f"max_live_requests must be at least 1 and order_form one of {FORMS}")
         check_sizes(cache_tokens, page_tokens)
-        if order_form not in FORMS:
-            raise ValueError(f"order_form must be one of {FORMS}, got {order_form!r}")
         self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
         self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
         self.templates, self.annotate_order, self.keep_top = templates or DEFAULT_TEMPLATES, annotate_order, keep_top
@@ -108,16 +111,19 @@ class ContextPilot:
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
 
     def add_observer(self, observer: Callable[..., None]) -> None:
-        """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds:
-        ``("sent", request_id, block_ids, token_counts)``, ``("evicted", request_ids)``, ``("truncated",
-        request_id, cached_blocks)``, ``("restored", request_id, cached_blocks)``, ``("reset",)``. It runs
-        under the pilot's lock: it must be quick and must not raise (the shared client only queues it)."""
+        """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds: ``("sent", rid,
+        block_ids, token_counts)``, ``("evicted", rids)``, ``("truncated", rid, cached_blocks)``, ``("restored",
+        rid, cached_blocks)``, ``("reset",)``; under the pilot's lock: quick, never raising."""
         with self._lock:
             self._state.observers = [*self._state.observers, observer]
 
     def remove_observer(self, observer: Callable[..., None]) -> None:
         with self._lock:
             self._state.observers = [o for o in self._state.observers if o is not observer]
+
+    def unshared(self) -> AbstractContextManager[None]:
+        """Meanwhile, what this thread tells the pilot is not shared (an unauthenticated source)."""
+        return self._state.unshared()
 
     @property
     def strategy(self) -> str:
@@ -219,11 +225,10 @@ class ContextPilot:
 
     def record_sent(self, request_id: str, block_ids: Sequence[str]) -> bool:
         """Another worker sent this request (its blocks in send order) to the engine this pilot
-        models: index it as if prepared here (what the shared log applies). Idempotent: a request
-        already live keeps its place. Returns whether it was new."""
-        order = checked_order(request_id, block_ids)
-        with self._lock:
-            return self._reports.sent_elsewhere(request_id, order)
+        models: index it as if prepared here (what the shared log applies; a long one a part at
+        a time, see :func:`sent_in_parts`). Idempotent: a request already live keeps its place.
+        Returns whether it was new."""
+        return sent_in_parts(self._lock, self._reports, request_id, checked_order(request_id, block_ids))
 
     def record_usage(
         self,
@@ -339,6 +344,22 @@ class ContextPilot:
         """Assert internal consistency (for tests): index, strategy and live ids agree."""
         with self._lock:
             self._state.check()
+
+
+def sent_in_parts(lock: Any, reports: Reports, request_id: str, order: list[str]) -> bool:
+    """Index another worker's request :data:`SENT_PART` blocks at a time, the pilot's lock let
+    go between parts, so a ``prepare`` never waits for all of a long one (it is live from the
+    first part; evicted, truncated or reset meanwhile, the rest is dropped). Whether it was new."""
+    with lock:
+        end = reports.sent_elsewhere(request_id, order, slice(0, SENT_PART))
+    new = end is not None
+    for start in range(SENT_PART, len(order) if new else 0, SENT_PART):
+        time.sleep(0)  # a prepare waiting for the lock takes it now
+        with lock:
+            end = reports.sent_more(request_id, order, slice(start, start + SENT_PART), end)
+        if end is None:
+            break
+    return new
 
 
 def join(pilots: Sequence[ContextPilot], lock: Any, make_store: Callable[[float | None], _Store]) -> _Store:

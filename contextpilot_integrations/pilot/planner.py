@@ -188,13 +188,17 @@ class Planner:
         references: tuple[Reference, ...] = ()
         dedup = None
         if conversation_id is not None:
-            dedup = self.conversations.split(conversation_id, blocks, kept_turns)
+            question = self.templates.question.format(query=query)  # a quote must not name it either
+            dedup = self.conversations.split(conversation_id, blocks, kept_turns, (question,), self.templates.separator)
             if self.settings.keep_top and blocks:
                 dedup = keep_in_full(dedup, blocks[0].id)
             if dedup.turn and self.plain_prompts:  # references only where they cost less
                 dedup = decide_turn(dedup, blocks, self.templates, self.token_counter)
             turn, fresh = dedup.turn, dedup.fresh
-            references = tuple([make_reference(b, t, self.templates, labelled) for b, t, labelled in dedup.repeated])
+            quotes = dedup.quotes
+            references = tuple(
+                [make_reference(b, t, self.templates, labelled, quotes.get(b.id)) for b, t, labelled in dedup.repeated]
+            )
         cached_blocks = cached_tokens = 0
         labels, read_top_last = True, False
         if turn and (kept_turns is None or kept_turns):

@@ -128,17 +128,30 @@ class Reports:
         if prepared.conversation_id is not None and prepared.turn is not None:
             self.conversations.carry(prepared.conversation_id, prepared.turn, restored, prepared.labels)
 
-    def sent_elsewhere(self, request_id: str, order: list[str]) -> bool:
+    def sent_elsewhere(self, request_id: str, order: list[str], part: slice | None = None) -> object | None:
         """Another worker sent this request to the engine this pilot models: index it as if
-        prepared here (no observer is told: the shared log is where it came from). A request
-        already live keeps its place; returns whether it was new."""
+        prepared here (no observer is told: the shared log is where it came from); ``part``:
+        only its first blocks now, the rest through :meth:`sent_more`. A request already live
+        keeps its place (``None``); else returns where its path ends."""
         state = self.state
         if request_id in state.live or request_id in state.reserved:
-            return False
-        self.outlook.cooccurrence.record(key_blocks(order))
-        state.learn(request_id, order)
-        state.record(request_id, order, None)
-        return True
+            return None
+        head = order if part is None else order[part]
+        self.outlook.cooccurrence.record(key_blocks(head))
+        state.learn(request_id, order, part)
+        state.record(request_id, head, None)
+        return state.trie.end_of(request_id)
+
+    def sent_more(self, request_id: str, order: list[str], part: slice, after: object) -> object | None:
+        """The next ``part`` of a request :meth:`sent_elsewhere` took in parts (``after``: where
+        its path ended); ``None`` when it changed meanwhile (evicted, truncated, reset)."""
+        more = order[part]
+        end = self.state.extend(request_id, more, after)
+        if end is not None:
+            previous = key_blocks(order[part.start - 1 : part.start])[0]
+            self.outlook.cooccurrence.record(key_blocks(more), previous)
+            self.state.learn(request_id, order, part)
+        return end
 
     def stats(self, strategy: str, shared: dict[str, Any]) -> PilotStats:
         """The counters with what the index and the conversations hold now (``shared``: sharing's status)."""

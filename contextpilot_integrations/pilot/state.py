@@ -11,10 +11,13 @@ calls every method under its own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import secrets
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -45,9 +48,10 @@ class EngineState:
         self.held_tokens = 0  # their sum
         self.hears_evictions = False  # the engine's evictions reach the pilot (KV events, a simulator)
         self.observers: list[Callable[..., None]] = []
+        self._unshared = threading.local()
         self._ticks = itertools.count()
-        self._id_prefix = f"{id_prefix}-{secrets.token_hex(4)}-"
-        self._ids = itertools.count()
+        self._id_base = id_prefix
+        self._id_prefix, self._ids, self._id_pid = self._id_series()
 
     @classmethod
     def make(cls, strategy: str, max_live_requests: int, id_prefix: str, **options: Any) -> EngineState:
@@ -58,15 +62,32 @@ class EngineState:
     def new_request_id(self, request_id: str | None) -> str:
         """A generated id, or the caller's own once checked to be new here."""
         if request_id is None:
+            if self._id_pid != os.getpid():  # a forked worker (gunicorn --preload): ids of its own
+                self._id_prefix, self._ids, self._id_pid = self._id_series()
             return f"{self._id_prefix}{next(self._ids)}"
         check_request_id(request_id)
         if request_id in self.live or request_id in self.reserved:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the index")
         return request_id
 
+    def _id_series(self) -> tuple[str, Iterator[int], int]:
+        """A prefix no other process makes (random, renewed in a forked child) and its count."""
+        return f"{self._id_base}-{secrets.token_hex(6)}-", itertools.count(), os.getpid()
+
     def notify(self, kind: str, *details: Any) -> None:
+        if getattr(self._unshared, "depth", 0):  # a change this worker keeps to itself
+            return
         for observer in self.observers:
             observer(kind, *details)
+
+    @contextlib.contextmanager
+    def unshared(self) -> Iterator[None]:
+        """Changes made in this thread meanwhile reach no observer (the shared log)."""
+        self._unshared.depth = getattr(self._unshared, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._unshared.depth -= 1
 
     # ---- a request enters ----------------------------------------------------------------------
     def record(self, rid: str, order: Sequence[str], blocks: Sequence[Block] | None) -> int:
@@ -100,12 +121,23 @@ class EngineState:
         )
         return adopted
 
-    def learn(self, rid: str, order: list[str]) -> None:
-        """Let the strategy learn a request it did not order (another worker's)."""
+    def learn(self, rid: str, order: list[str], part: slice | None = None) -> None:
+        """Let the strategy learn a request it did not order (another worker's); ``part``: only
+        these of its blocks now (a long request entered in parts: the trie strategy counts
+        each part, the paper's tree learns the request whole with the first)."""
         if self.strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
-            self.strategy.commit(PlannedBatch([], []), [(rid, order)])
-        else:
+            self.strategy.commit(PlannedBatch([], []), [(rid, order if part is None else order[part])])
+        elif part is None or not part.start:
             self.strategy.order(rid, order)  # the paper's tree learns the request
+
+    def extend(self, rid: str, more: list[str], after: object) -> object | None:
+        """The next blocks of a live request entered in parts (:meth:`record` took the first;
+        ``after``: where its path ended then). ``None``, adding nothing, when it changed
+        meanwhile (evicted, truncated, reset); else where its path ends now."""
+        end = self.trie.extend(rid, more, after)
+        if end is not None and rid in self.orders:
+            self.orders[rid] = (*self.orders[rid], *more)
+        return end
 
     def hold(self, rid: str, tokens: int, capacity: int | None) -> None:
         """Live request ``rid`` added ``tokens`` to the engine's cache (what it computed, as

@@ -43,7 +43,12 @@ class PilotStats(BaseModel):
     """Location references sent as full text after all, because the messages that left for
     the engine did not carry the text they pointed to (see :meth:`ContextPilot.note_restored`)."""
     shared_connected: bool | None = None
-    """Sharing across workers (``shared=``): whether the broker is reachable now; ``None``
+    """Sharing across workers (``shared=``): whether this worker shares now (``shared_status``
+    is ``"connected"``); ``None`` when sharing is off."""
+    shared_status: str | None = None
+    """Why or why not: ``"connected"``; ``"unauthenticated"`` (the broker answers, but what
+    other workers publish there is not signed with this worker's secret); ``"refused"`` (the
+    broker refuses the stream, its reason logged); ``"unreachable"``; ``"closed"``. ``None``
     when sharing is off."""
     shared_unsent: int = 0
     """Entries of this worker waiting for the broker (sent once it is back)."""

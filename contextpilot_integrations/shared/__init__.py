@@ -1,4 +1,4 @@
-"""One shared view of the engine's cache for every application worker (issue 23).
+"""One shared view of the engine's cache for every application worker.
 
 A service run as ``uvicorn --workers N`` (or N pods) has N ``ContextPilot`` instances in
 front of the same engine. Alone, each predicts only what it sent itself (4 workers lose
@@ -29,12 +29,19 @@ How it keeps the indexes equal:
   worker applies the same entries in the same order, so a reset it learned while cut off
   wipes there what it wipes everywhere else);
 - every message and snapshot carries an HMAC under the deployment's secret
-  (``SharedOptions(secret=...)`` or ``CONTEXTPILOT_SHARED_SECRET``): a client of the broker
-  without it can store messages, but no worker applies them, nor a signed message stored
-  again (each origin's last batch is remembered); a message is checked whole
-  (its size, every entry's fields) before any of it is applied;
-- a snapshot names its stream and sequence: one from a stream made again, or claiming
-  entries the stream never held, is ignored;
+  (``SharedOptions(secret=...)`` or ``CONTEXTPILOT_SHARED_SECRET``; a list rotates it: the
+  first signs, each verifies), bound to the stream's identity (its name and creation time):
+  a client of the broker without it can store messages, but no worker applies them, nor a
+  signed message stored again (each origin's last batch is remembered; a message stored
+  long after it was signed, by the broker's clock, is refused; one of another stream does
+  not verify); a message is checked whole (its size, every entry's fields) before any of it
+  is applied;
+- a worker that verifies nothing other workers publish says so (a warning, and
+  ``shared_status="unauthenticated"``) and writes no snapshot; snapshots are kept under the
+  name of the secret that signs them, and name their stream and sequence: one from a stream
+  made again, or claiming entries the stream never held, is ignored;
+- a long request of another worker is indexed a part at a time (the pilot's lock let go
+  between parts), and lags are read on the broker's clock;
 - the broker unreachable: the worker keeps working on its own view, its stats say
   ``shared_connected=False``, one warning is logged, its entries wait (bounded) and go out
   when the broker is back, and the stream is followed from where it was left.

@@ -10,9 +10,11 @@ Entries of other workers may arrive out of causal order (worker B reports the ev
 A's request before A's "sent" reaches the stream): an evicted id is remembered (bounded),
 and a "sent" for it later is ignored.
 
-A snapshot names the stream it was taken from (its creation time) and the sequence it
-covers; one taken from another stream (deleted and made again) or claiming a sequence the
-stream does not hold is ignored.
+A snapshot names the stream it was taken from (its identity: name and creation time) and
+the sequence it covers; one taken from another stream (deleted and made again) or claiming
+a sequence the stream does not hold is ignored. A large entry is applied in parts (the
+pilot indexes a long request a part at a time, an eviction of many requests goes a part at
+a time), so the pilot's lock is never held across all of it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,26 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.validation import MAX_BLOCKS
 from .entries import Entry
 from .replica import LockOf, Replica
 
-__all__ = ["Applier"]
+__all__ = ["Applier", "Snapshot"]
+
+_PART = 1_024  # request ids evicted under one hold of the pilot's lock
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot checked whole (see :meth:`Applier.check`), ready to load."""
+
+    seq: int
+    live: list[tuple[str, list[str]]]
+    evicted: list[str]
+    origins: dict[str, int]
 
 
 class Applier:
@@ -116,7 +131,8 @@ class Applier:
                     return
             elif kind == "evicted":
                 self.remember_evicted(entry[1])
-                pilot.evict(entry[1])
+                for start in range(0, len(entry[1]), _PART):  # the pilot's lock let go between parts
+                    pilot.evict(entry[1][start : start + _PART])
             elif kind == "truncated":
                 pilot.truncate(entry[1], entry[2])
             elif kind == "restored":
@@ -142,35 +158,51 @@ class Applier:
     def load(self, snapshot: object, stream: str, last_seq: int) -> int:
         """Apply a snapshot of ``stream`` (its identity) that holds ``last_seq`` messages at
         most; returns its sequence, 0 when it is not one to use (nothing applied then)."""
-        if not isinstance(snapshot, dict) or snapshot.get("v") != 2 or snapshot.get("stream") != stream:
+        checked = self.check(snapshot, stream, last_seq)
+        if checked is None:
             return 0
+        self.restore(checked)
+        return checked.seq
+
+    @staticmethod
+    def check(snapshot: object, stream: str, last_seq: int) -> Snapshot | None:
+        """The snapshot checked whole, or ``None`` when it is not of ``stream`` (its identity),
+        claims more than the ``last_seq`` messages the stream holds, or is malformed."""
+        if not isinstance(snapshot, dict) or snapshot.get("v") != 2 or snapshot.get("stream") != stream:
+            return None
         seq, live, evicted = snapshot.get("seq"), snapshot.get("live"), snapshot.get("evicted")
         if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq <= last_seq:
-            return 0  # a sequence the stream never reached: not this stream's
+            return None  # a sequence the stream never reached: not this stream's
         if not isinstance(live, (list, tuple)) or not isinstance(evicted, (list, tuple)):
-            return 0
+            return None
         checked = []
         for item in live:
             if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
-                return 0
+                return None
             rid, order = item
             if not (
                 isinstance(order, (list, tuple))
                 and 0 < len(order) <= MAX_BLOCKS
                 and all(isinstance(k, str) for k in order)
             ):
-                return 0
-            checked.append((rid, order))
+                return None
+            checked.append((rid, list(order)))
+        origins = snapshot.get("origins")
+        numbers = {
+            origin: first
+            for origin, first in (origins.items() if isinstance(origins, dict) else ())
+            if isinstance(first, int) and not isinstance(first, bool)
+        }
+        return Snapshot(seq, checked, [rid for rid in evicted if isinstance(rid, str)], numbers)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Apply a checked snapshot (each request under its own hold of the pilot's lock)."""
         pilot = self.pilot
-        for rid, order in checked:  # first: a request restored after an eviction is live
+        for rid, order in snapshot.live:  # first: a request restored after an eviction is live
             try:
                 pilot.record_sent(rid, order)
             except (TypeError, ValueError):
                 continue
-        self.remember_evicted(rid for rid in evicted if isinstance(rid, str))
-        origins = snapshot.get("origins")
-        if isinstance(origins, dict):
-            for origin, first in origins.items():
-                if isinstance(first, int) and not isinstance(first, bool):
-                    self.fresh(origin, first)
-        return seq
+        self.remember_evicted(snapshot.evicted)
+        for origin, first in snapshot.origins.items():
+            self.fresh(origin, first)

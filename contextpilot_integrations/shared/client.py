@@ -11,6 +11,14 @@ When the broker is unreachable the worker keeps preparing on its local view: ent
 wait in the deque (bounded by ``max_unsent``; the oldest go first, counted), the stats say
 ``shared_connected=False``, one warning is logged per outage, and once the broker is back
 the entries go out and the stream is followed from where it was left.
+
+Trust: every message is signed when it is published, bound to the stream's identity (its
+name and creation time) and carrying the time it was signed by the broker's clock (each
+session measures this worker's offset to it); a message that does not verify is never
+applied, and the first one is logged; one stored long after it was signed (a copy) is not
+applied either. A worker that reads only what it cannot verify says so
+(``shared_status="unauthenticated"``) and writes no snapshot; snapshots are kept under the
+name of the secret that signs them, so a worker with another secret never replaces them.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -30,14 +39,26 @@ import time
 import urllib.parse
 import weakref
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from ..core.validation import MAX_BLOCKS
 from ..errors import SharedSettingsError
-from .apply import Applier
-from .entries import Batch, Entry, block_count, decode_batch, encode_batch, encode_entry, seal, unseal
+from .apply import Applier, Snapshot
+from .entries import (
+    Batch,
+    Entry,
+    block_count,
+    context,
+    decode_batch,
+    encode_batch,
+    encode_entry,
+    key_id,
+    seal,
+    unseal,
+)
 from .replica import LockOf, Replica
 
 __all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "redact"]
@@ -45,8 +66,19 @@ __all__ = ["SECRET_ENV", "SharedIndex", "SharedOptions", "redact"]
 log = logging.getLogger("contextpilot_integrations.shared")
 
 _TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+_STREAM_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
 _SCHEMES = ("nats", "tls", "ws", "wss")
 SECRET_ENV = "CONTEXTPILOT_SHARED_SECRET"
+
+_MIN_SECRET = 16  # bytes: shorter ones can be guessed from any signed message
+_MIN_DISTINCT = 5  # different bytes at least ("0" * 32 is no secret)
+_MAX_SECRETS = 8
+_MIN_MAX_AGE = 60.0  # seconds
+_DUPLICATE_WINDOW = 120.0  # the broker's de-duplication window (NATS' default), max_age if shorter
+_FRESH = 5.0  # seconds: a message is stored this close to when it was signed (the broker's clock)
+_CLOCK_EVERY = 30.0  # seconds between measures of the offset to the broker's clock
 
 
 def redact(url: str) -> str:
@@ -94,12 +126,16 @@ class SharedOptions:
         secret: the deployment's shared secret (default: ``CONTEXTPILOT_SHARED_SECRET``):
             every message and snapshot carries an HMAC under it, and a worker applies nothing
             it cannot authenticate. Required: without it anyone who can publish to the
-            broker would write every worker's index.
+            broker would write every worker's index. At least 16 bytes, e.g.
+            ``openssl rand -hex 32``. A list (the variable: comma-separated) rotates it: the
+            first signs, each one verifies, so a worker given ``[new, old]`` reads the workers
+            still on ``old``.
         scope: the engine this pilot models: pilots with the same scope share one index
             (a router's pilots use their target names).
-        stream: the JetStream stream holding every scope's log.
+        stream: the JetStream stream holding every scope's log (letters, digits, ``_``, ``-``).
         max_age: seconds an entry stays in the stream (bounded retention; the snapshots
-            cover what is older).
+            cover what is older): at least 60, and twice ``snapshot_interval``. The broker's
+            de-duplication window is 120 s, or ``max_age`` if shorter.
         max_entries: messages the stream keeps at most (the oldest go first).
         snapshot_interval: seconds between this worker's snapshots (0: never).
         max_unsent: entries kept while the broker is unreachable (the oldest dropped after).
@@ -115,7 +151,7 @@ class SharedOptions:
     """
 
     url: str = "nats://127.0.0.1:4222"
-    secret: str | bytes | None = field(default=None, repr=False)
+    secret: str | bytes | Sequence[str | bytes] | None = field(default=None, repr=False)
     scope: str = "default"
     stream: str = "CONTEXTPILOT"
     max_age: float = 3600.0
@@ -133,19 +169,30 @@ class SharedOptions:
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
-        if isinstance(secret, str):
-            secret = secret.encode()
-        if not isinstance(secret, bytes) or not secret.strip():
-            raise SharedSettingsError(
-                f"shared: set a secret (SharedOptions(secret=...) or {SECRET_ENV}), the same for every worker: "
-                "entries are signed with it, and a worker applies none it cannot authenticate"
-            )
-        object.__setattr__(self, "secret", secret)
+        object.__setattr__(self, "secret", _secrets(self.secret))
         if not isinstance(self.scope, str) or not self.scope:
             raise SharedSettingsError("shared scope must be a non-empty str")
-        if self.max_unsent < 1 or self.batch_entries < 1 or self.max_entries < 1:
-            raise SharedSettingsError("max_unsent, batch_entries and max_entries must be at least 1")
+        if not isinstance(self.stream, str) or not _STREAM_NAME.fullmatch(self.stream):
+            raise SharedSettingsError(
+                f"shared: the stream name {self.stream!r} must be 1-64 letters, digits, '_' or '-' (NATS refuses "
+                "others, and it names the log's subjects)"
+            )
+        for name in ("max_entries", "max_unsent", "batch_entries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SharedSettingsError(f"shared: {name} must be an int of at least 1, got {value!r}")
+        max_age, interval = _seconds("max_age", self.max_age), _seconds("snapshot_interval", self.snapshot_interval)
+        if max_age < _MIN_MAX_AGE:
+            raise SharedSettingsError(
+                f"shared: max_age={max_age:g} s is too short: entries must stay at least {_MIN_MAX_AGE:g} s, so a "
+                "worker restarting or cut off from the broker for a moment catches up from them"
+            )
+        if interval > 0 and max_age < 2 * interval:
+            raise SharedSettingsError(
+                f"shared: max_age={max_age:g} s must be at least twice snapshot_interval={interval:g} s: a worker "
+                "starting late loads the newest snapshot and replays the stream after it, and entries between the "
+                "two would be gone; raise max_age or lower snapshot_interval"
+            )
         if self.tls is not None and not isinstance(self.tls, ssl.SSLContext):
             raise SharedSettingsError("tls must be an ssl.SSLContext")
 
@@ -154,7 +201,13 @@ class SharedOptions:
 
     @property
     def key(self) -> bytes:
-        assert isinstance(self.secret, bytes)
+        """The secret that signs (the first)."""
+        return self.keys[0]
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """Every secret that verifies, the signing one first."""
+        assert isinstance(self.secret, tuple)
         return self.secret
 
     @property
@@ -177,6 +230,56 @@ class SharedOptions:
             "tls_hostname": self.tls_hostname,
         }
         return {name: value for name, value in given.items() if value is not None}
+
+
+def _secrets(given: object) -> tuple[bytes, ...]:
+    """The deployment's secrets as bytes, the signing one first, each checked (never shown)."""
+    if given is None:
+        env = os.environ.get(SECRET_ENV)
+        given = [part.strip() for part in env.split(",")] if env is not None else None
+    missing = SharedSettingsError(
+        f"shared: set a secret (SharedOptions(secret=...) or {SECRET_ENV}), the same for every worker: "
+        "entries are signed with it, and a worker applies none it cannot authenticate"
+    )
+    if isinstance(given, (str, bytes)):
+        given = [given]
+    if not isinstance(given, (list, tuple)) or not given:
+        raise missing
+    keys: list[bytes] = []
+    for position, item in enumerate(given, 1):
+        key = item.encode() if isinstance(item, str) else item
+        if not isinstance(key, bytes) or not key.strip():
+            raise missing
+        if len(key) < _MIN_SECRET or len(set(key)) < _MIN_DISTINCT:
+            raise SharedSettingsError(
+                f"shared: secret {position} of {len(given)} is too weak: a secret shorter than {_MIN_SECRET} bytes, or "
+                f"of fewer than {_MIN_DISTINCT} different characters, can be guessed from any signed message; use "
+                "e.g. `openssl rand -hex 32`"
+            )
+        if key not in keys:
+            keys.append(key)
+    if len(keys) > _MAX_SECRETS:
+        raise SharedSettingsError(f"shared: at most {_MAX_SECRETS} secrets (the signing one, then those still read)")
+    return tuple(keys)
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise SharedSettingsError(f"shared: {name} must be a finite number of seconds, at least 0, got {value!r}")
+    return float(value)
+
+
+def _rfc3339_ns(text: object) -> int | None:
+    """Nanoseconds since the epoch of a broker's RFC 3339 time (``None``: not one)."""
+    match = _RFC3339.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        return None
+    whole = datetime.fromisoformat(match[1] + ("+00:00" if match[3] == "Z" else match[3]))
+    return int(whole.timestamp()) * 10**9 + int((match[2] or "").ljust(9, "0"))
+
+
+class _Refused(Exception):
+    """The broker answered, and refused the stream (its reason is the message)."""
 
 
 _BUCKET = "contextpilot-snapshots"
@@ -207,10 +310,18 @@ class SharedIndex:
         self._rejected = 0
         self._malformed = 0
         self._replayed = 0
+        self._stale = 0
         self._gaps = 0
         self._seq = 0  # last stream sequence applied
         self._stream_last = 0  # the stream's last sequence, as last seen
-        self._stream_id: str | None = None  # the stream's identity (its creation time), once seen
+        self._stream_id: str | None = None  # the stream's identity (name and creation time), once seen
+        self._offset = 0.0  # the broker's clock less this worker's, in seconds (measured each session)
+        self._confirmed = False  # a message of another worker verified: this worker's secret is the deployment's
+        self._doubt = False  # something it read did not verify (a message; snapshots under another secret only)
+        self._warned_rejected = False
+        self._warned_stale = False
+        self._refused: str | None = None  # the broker's reason for refusing the stream, while it does
+        self._measure_clock = False  # an own message came back stored far from its signing: measure again
         self._snapshot_seq = 0
         self._loaded = False  # a snapshot was looked for (and applied when there was one to use)
         self._published = 0
@@ -317,13 +428,25 @@ class SharedIndex:
         self._observe(kind, *details)
 
     def status(self) -> dict[str, Any]:
-        """What :meth:`ContextPilot.stats` reports (connected: this process's client runs and
-        the broker answers)."""
+        """What :meth:`ContextPilot.stats` reports (connected: this process's client runs, the
+        broker answers, and what other workers publish verifies under this worker's secret)."""
+        state = self._state()
         return {
-            "shared_connected": self._connected and self._running(),
+            "shared_connected": state == "connected",
+            "shared_status": state,
             "shared_unsent": self.unsent,
             "shared_applied": self.applier.applied,
         }
+
+    def _state(self) -> str:
+        running = self._running()
+        if self._closed or not running:
+            return "closed"
+        if not self._connected:
+            return "refused" if self._refused else "unreachable"
+        if self._doubt and not self._confirmed:
+            return "unauthenticated"  # it read only what it cannot verify: its secret is likely not theirs
+        return "connected"
 
     @property
     def unsent(self) -> int:
@@ -336,6 +459,7 @@ class SharedIndex:
             **self.status(),
             "origin": self.origin,
             "subject": self.options.subject,
+            "stream_id": self._stream_id,
             "applied_seq": self._seq,
             "stream_last_seq": self._stream_last,
             "snapshot_seq": self._snapshot_seq,
@@ -345,15 +469,22 @@ class SharedIndex:
             "rejected_messages": self._rejected,
             "malformed_messages": self._malformed,
             "replayed_messages": self._replayed,
+            "stale_messages": self._stale,
             "stream_gaps": self._gaps,
             "skipped": self.applier.skipped,
             "lag_ms_p50": 1000 * lags[len(lags) // 2] if lags else None,
             "lag_ms_p99": 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None,
+            "clock_offset_ms": 1000 * self._offset,
         }
 
     def lags(self) -> list[float]:
-        """Seconds from another worker learning an entry to this one applying it (recent ones)."""
+        """Seconds from another worker learning an entry to this one applying it (recent ones),
+        both times by the broker's clock: a worker's clock set wrong does not show here."""
         return list(self._lags)
+
+    def _broker_now(self) -> float:
+        """Now by the broker's clock (as measured at the last session)."""
+        return time.time() + self._offset
 
     def clear_lags(self) -> None:
         self._lags.clear()
@@ -392,15 +523,17 @@ class SharedIndex:
         pilot = self.applier._pilot()
         if pilot is not None:
             pilot.remove_observer(self._observe)
-        if (self._connected or not self._warned) and self._thread is not None and self._thread.is_alive():
+        down = self._warned or self._refused is not None
+        if (self._connected or not down) and self._thread is not None and self._thread.is_alive():
             self.flush(timeout)  # connected, or still connecting: not known to be down
         if self.unsent:
             log.warning(
-                "shared index: %d entries of %s not sent at close (the broker at %s unreachable); other workers "
-                "will not learn them",
+                "shared index: %d entries of %s not sent at close (the broker at %s %s); other workers will not "
+                "learn them",
                 self.unsent,
                 self.options.subject,
                 redact(self.options.url),
+                "refuses the stream" if self._refused else "unreachable",
             )
         self._stop()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -456,8 +589,22 @@ class SharedIndex:
                 type(error).__name__ if _names_credentials(error, self.options) else error,
             )
 
+    def _refuse(self, reason: str) -> None:
+        """The broker answers but refuses the stream: said once, with its reason (not as "unreachable")."""
+        self._connected = False
+        if self._refused != reason:
+            log.warning(
+                "shared index: the broker at %s refuses the stream %s: %s; preparing on this worker's own view (fix "
+                "the stream on the broker, or this worker's SharedOptions)",
+                redact(self.options.url),
+                self.options.stream,
+                reason,
+            )
+        self._refused = reason
+
     def _up(self) -> None:
         self._connected = True
+        self._refused = None
         if self._warned:
             self._warned = False
             log.warning("shared index: the broker at %s is back; catching up", redact(self.options.url))
@@ -485,6 +632,8 @@ class SharedIndex:
                 )
                 await self._session(nc)
                 backoff = 0.1
+            except _Refused as exc:
+                self._refuse(str(exc))
             except Exception as exc:
                 self._down(exc)
             finally:
@@ -525,6 +674,7 @@ class SharedIndex:
 
     async def _session(self, nc: Any) -> None:
         from nats.js import api
+        from nats.js.errors import APIError
 
         js = nc.jetstream()
         options = self.options
@@ -534,28 +684,31 @@ class SharedIndex:
             storage=api.StorageType.FILE,
             max_age=options.max_age,
             max_msgs=options.max_entries,
-            duplicate_window=120.0,
+            duplicate_window=min(_DUPLICATE_WINDOW, options.max_age),  # NATS refuses a window beyond the age
         )
         try:
-            info = await js.add_stream(config)
-        except Exception:
-            info = await js.stream_info(options.stream)  # made by another worker with other limits: use it
-        stream_id = info.created.isoformat() if info.created is not None else ""
+            await js.add_stream(config)
+        except APIError as exc:
+            try:
+                await js.stream_info(options.stream)  # made by another worker with other limits: use it
+            except APIError:
+                raise _Refused(exc.description or str(exc)) from None
+        stream_id, first_seq, last_seq = await self._stream_facts(nc, js)
         if self._stream_id is not None and stream_id != self._stream_id:
             log.warning("shared index: the stream %s was made again; following it from its start", options.stream)
             self._seq = 0  # its sequences are not the old stream's
-        elif info.state.last_seq < self._seq:  # a new, empty broker: follow its stream from the start
+        elif last_seq < self._seq:  # a new, empty broker: follow its stream from the start
             self._seq = 0
         self._stream_id = stream_id
-        self._stream_last = info.state.last_seq
+        self._stream_last = last_seq
         if self._stopping:  # the pilot was dropped: send what is pending, follow nothing
             await asyncio.wait_for(self._publish_pending(js, nc.max_payload), 2.0)
             return
         store = await self._object_store(js)
         if not self._loaded and store is not None:
-            await self._load_snapshot(store, stream_id, info.state.last_seq)
+            await self._load_snapshot(store, last_seq)
             self._loaded = True
-        if self._seq and info.state.first_seq > self._seq + 1:
+        if self._seq and first_seq > self._seq + 1:
             self._gaps += 1  # retention dropped entries this worker never saw (the snapshot was older)
             log.warning("shared index: %s entries expired before this worker read them", options.subject)
         subscription = await js.subscribe(
@@ -572,12 +725,17 @@ class SharedIndex:
         self._up()
         self._started.set()
         next_snapshot = time.monotonic() + options.snapshot_interval * (0.5 + secrets.randbelow(1000) / 1000)
+        next_clock = time.monotonic() + _CLOCK_EVERY
         try:
             while not self._stopping and nc.is_connected:
                 await self._publish_pending(js, nc.max_payload)
                 if store is not None and options.snapshot_interval > 0 and time.monotonic() >= next_snapshot:
                     next_snapshot = time.monotonic() + options.snapshot_interval
                     await self._write_snapshot(store)
+                if time.monotonic() >= next_clock or self._measure_clock:  # clocks drift, or were set
+                    next_clock, self._measure_clock = time.monotonic() + _CLOCK_EVERY, False
+                    if (await self._stream_facts(nc, js))[0] != self._stream_id:
+                        return  # made again meanwhile: a new session follows the new stream
                 self._idle = True  # first: an entry queued from now on wakes the loop
                 if not self._outbox and not self._messages:
                     await self._sleep(0.25)
@@ -589,6 +747,32 @@ class SharedIndex:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(subscription.unsubscribe(), 1)
+
+    async def _stream_facts(self, nc: Any, js: Any) -> tuple[str, int, int]:
+        """The stream's identity (its name and creation time: a stream made again, or another
+        deployment's, is another), first and last sequence; measures on the way the offset of
+        the broker's clock to this worker's (the best of three round trips)."""
+        subject = f"{getattr(js, '_prefix', '$JS.API')}.STREAM.INFO.{self.options.stream}"
+        best: tuple[float, float] | None = None  # (round trip, offset)
+        info: dict[str, Any] = {}
+        for _ in range(3):
+            sent = time.time()
+            reply = await nc.request(subject, b"", timeout=2.0)
+            got = time.time()
+            info = json.loads(reply.data)
+            if not isinstance(info, dict) or "error" in info or "created" not in info:
+                error = info.get("error") if isinstance(info, dict) else None
+                raise _Refused(str(error.get("description") if isinstance(error, dict) else "no stream information"))
+            broker = _rfc3339_ns(info.get("ts"))
+            if broker is not None and (best is None or got - sent < best[0]):
+                best = (got - sent, broker / 1e9 - (sent + got) / 2)
+        if best is not None:  # an older broker does not tell its time: the clocks are taken to agree
+            self._offset = best[1]
+        created = _rfc3339_ns(info["created"])
+        state = info.get("state")
+        state = state if isinstance(state, dict) else {}
+        identity = f"{self.options.stream}:{created if created is not None else info['created']}"
+        return identity, int(state.get("first_seq", 0)), int(state.get("last_seq", 0))
 
     async def _last_seq(self) -> int:
         """The stream sequence of this scope's newest message (0: none)."""
@@ -612,59 +796,96 @@ class SharedIndex:
             except Exception:
                 return None
 
-    async def _load_snapshot(self, store: Any, stream_id: str, last_seq: int) -> None:
-        try:
-            result = await store.get(self.options.snapshot_name)
-        except Exception:
-            return  # none yet
-        body = unseal(self.options.key, self.options.snapshot_name, result.data or b"")
-        if body is None:
-            self._rejected += 1
+    def _snapshot_object(self, key: bytes) -> str:
+        """Where the snapshots signed with ``key`` are kept: a worker with another secret
+        writes elsewhere, and never replaces them."""
+        return f"{self.options.snapshot_name}.{key_id(key)}"
+
+    async def _load_snapshot(self, store: Any, last_seq: int) -> None:
+        """Load the newest snapshot of this stream signed with one of this worker's secrets."""
+        assert self._stream_id is not None
+        mine = {self._snapshot_object(key): key for key in self.options.keys}
+        best: Snapshot | None = None
+        for name, key in mine.items():
+            try:
+                result = await store.get(name)
+            except Exception:
+                continue  # none yet
+            body = unseal(key, context(self._stream_id, name), result.data or b"")
+            if body is None:
+                self._rejected += 1
+                log.warning(
+                    "shared index: the snapshot %s does not verify under this worker's secret (another stream's, or "
+                    "written by a client of the broker without the secret); ignored",
+                    name,
+                )
+                continue
+            try:
+                checked = Applier.check(json.loads(body), self._stream_id, last_seq)
+            except (ValueError, RecursionError):
+                checked = None
+            if checked is None:
+                log.warning("shared index: the snapshot %s is not of this stream; replaying the stream instead", name)
+            elif best is None or checked.seq > best.seq:
+                best = checked
+        if best is None and await self._foreign_snapshots(store, set(mine)):
+            self._doubt = True
             log.warning(
-                "shared index: the snapshot %s is not signed with this deployment's secret; ignored",
-                self.options.snapshot_name,
+                "shared index: snapshots of %s exist signed with another secret, none with this worker's: if the "
+                "other workers run with that secret, this worker's is not theirs (its status says "
+                "'unauthenticated' until a message of another worker verifies)",
+                self.options.subject,
             )
-            return
-        try:
-            snapshot = json.loads(body)
-        except (ValueError, RecursionError):
+        if best is None:
             return
         self._local.applying = True
         try:
-            seq = self.applier.load(snapshot, stream_id, last_seq)
+            self.applier.restore(best)
         finally:
             self._local.applying = False
-        if seq:
-            self._seq = self._snapshot_seq = seq
-        else:
-            log.warning(
-                "shared index: the snapshot %s is not of this stream; replaying the stream instead",
-                self.options.snapshot_name,
-            )
+        self._seq = self._snapshot_seq = best.seq
+
+    async def _foreign_snapshots(self, store: Any, mine: set[str]) -> int:
+        """Snapshots of this scope kept under secrets this worker does not have."""
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except Exception:
+            return 0
+        prefix = f"{self.options.snapshot_name}."
+        return sum(
+            1
+            for info in infos
+            if info.name.startswith(prefix) and _KEY_ID.fullmatch(info.name[len(prefix) :]) and info.name not in mine
+        )
 
     async def _write_snapshot(self, store: Any) -> None:
         if self._seq <= self._snapshot_seq or self._stream_id is None:
             return
+        if self._doubt and not self._confirmed:
+            return  # a view no other worker's message confirmed is never offered to others
+        name = self._snapshot_object(self.options.key)
         snapshot = self.applier.snapshot(self._stream_id, self._seq)
         data = json.dumps(snapshot, separators=(",", ":")).encode()
         try:
-            await store.put(self.options.snapshot_name, seal(self.options.key, self.options.snapshot_name, data))
+            await store.put(name, seal(self.options.key, context(self._stream_id, name), data))
             self._snapshot_seq = snapshot["seq"]
         except Exception as exc:
             log.debug("shared index: snapshot not written: %s", exc)
 
     def _pack(self, max_bytes: int) -> None:
         """Move the outbox into messages of at most ``batch_entries`` entries, ``max_bytes``
-        bytes and ``MAX_BLOCKS`` blocks. An entry too large for any message is dropped
-        (counted): no worker could take it."""
-        outbox, limit = self._outbox, self.options.batch_entries
+        bytes and ``MAX_BLOCKS`` blocks, each entry's time by the broker's clock. An entry too
+        large for any message is dropped (counted): no worker could take it."""
+        outbox, limit, offset = self._outbox, self.options.batch_entries, self._offset
         room = max_bytes - _OVERHEAD
         while outbox:
             entries: list[Entry] = []
             encoded: list[bytes] = []
             size = blocks = 0
             while outbox and len(entries) < limit:
-                data, count = encode_entry(outbox[0]), block_count(outbox[0])
+                entry = outbox[0]
+                stamped = (*entry[:-1], entry[-1] + offset)
+                data, count = encode_entry(stamped), block_count(entry)
                 if len(data) > room or count > MAX_BLOCKS:
                     outbox.popleft()
                     self._oversize += 1
@@ -674,7 +895,8 @@ class SharedIndex:
                     continue
                 if entries and (size + len(data) + 1 > room or blocks + count > MAX_BLOCKS):
                     break
-                entries.append(outbox.popleft())
+                outbox.popleft()
+                entries.append(stamped)
                 encoded.append(data)
                 size, blocks = size + len(data) + 1, blocks + count
             if not entries:
@@ -682,18 +904,25 @@ class SharedIndex:
             first = next(self._numbers)
             for _ in range(len(entries) - 1):
                 next(self._numbers)
-            batch = Batch(self.origin, first, entries)
-            self._messages.append((batch, seal(self.options.key, self.options.subject, encode_batch(batch, encoded))))
+            self._messages.append((Batch(self.origin, first, entries), b",".join(encoded)))
 
     async def _publish_pending(self, js: Any, max_bytes: int) -> None:
+        """Publish what waits, in order, each message signed now: bound to this stream and
+        stamped with the broker's time (a message kept through an outage is signed afresh)."""
         self._pack(max_bytes)
+        assert self._stream_id is not None
+        where = context(self._stream_id, self.options.subject)
         while self._messages:
             window = list(itertools.islice(self._messages, 16))
             self._inflight = len(window)
+            signed = [
+                seal(self.options.key, where, encode_batch(replace(batch, signed=self._broker_now()), encoded))
+                for batch, encoded in window
+            ]
             results = await asyncio.gather(
                 *[
                     js.publish(self.options.subject, data, timeout=2.0, headers={"Nats-Msg-Id": batch.message_id})
-                    for batch, data in window
+                    for (batch, _), data in zip(window, signed, strict=True)
                 ],
                 return_exceptions=True,
             )
@@ -711,23 +940,33 @@ class SharedIndex:
             return
         if seq <= self._seq:
             return  # seen (a resubscription can deliver it again)
-        body = unseal(self.options.key, self.options.subject, message.data or b"")
+        assert self._stream_id is not None
+        body = unseal(self.options.keys, context(self._stream_id, self.options.subject), message.data or b"")
         batch = decode_batch(body) if body is not None else None
         if body is None:
-            self._rejected += 1  # not signed with this deployment's secret: never applied
+            self._rejected += 1  # not signed with this deployment's secret for this stream: never applied
+            self._not_verified(seq)
         elif batch is None:
             self._malformed += 1
+        elif batch.origin != self.origin and not self._timely(batch, message):
+            self._stale += 1
         elif not self.applier.fresh(batch.origin, batch.first):
             self._replayed += 1
         else:
             own = batch.origin == self.origin
-            now = time.time()
+            stored = _stored_at(message)
+            if own and stored is not None and abs(stored - batch.signed) > _FRESH / 2:
+                self._measure_clock = True  # this worker's clock moved since it was measured
+            if not own and not self._confirmed:
+                self._confirmed = True
+                if self._doubt:
+                    log.warning("shared index: a message of another worker verifies under this worker's secret")
             self._local.applying = True
             try:
                 for entry in batch.entries:  # checked whole before the first is applied
                     self.applier.apply(entry, own)
-                    if not own:
-                        self._lags.append(now - entry[-1])
+                    if not own:  # both times by the broker's clock
+                        self._lags.append(max(0.0, self._broker_now() - entry[-1]))
             except ReferenceError:
                 self._stopping = True  # the pilot was dropped
                 return
@@ -735,6 +974,52 @@ class SharedIndex:
                 self._local.applying = False
         self._seq = seq
         self._stream_last = max(self._stream_last, seq)
+
+    def _not_verified(self, seq: int) -> None:
+        """A message that does not verify: said at the first, loudly (a worker whose secret is
+        not the deployment's reads nothing else)."""
+        self._doubt = True
+        if not self._warned_rejected:
+            self._warned_rejected = True
+            log.warning(
+                "shared index: the message at sequence %d of %s does not verify under this worker's secret%s and was "
+                "not applied. If every other worker's message is refused, this worker's secret is not theirs (its "
+                "stats say shared_status='unauthenticated' and it writes no snapshot); else a client of the broker "
+                "without the secret published it. details()['rejected_messages'] counts them",
+                seq,
+                self.options.subject,
+                "s" if len(self.options.keys) > 1 else "",
+            )
+
+    def _timely(self, batch: Batch, message: Any) -> bool:
+        """Whether another worker's message was stored when it was signed (both by the broker's
+        clock), and is no older than the stream keeps: a signed message stored again later (a
+        copy, its worker gone and no snapshot knowing it) is not applied."""
+        stored = _stored_at(message)
+        if stored is None:
+            return True  # the broker did not say: the per-origin numbering still applies
+        if abs(stored - batch.signed) > _FRESH:
+            self._stale_warning(stored - batch.signed)
+            return False
+        return self._broker_now() - batch.signed <= self.options.max_age - _FRESH  # its original is gone
+
+    def _stale_warning(self, late: float) -> None:
+        if not self._warned_stale:
+            self._warned_stale = True
+            log.warning(
+                "shared index: a signed message of %s was stored %.0f s from when it was signed (a copy stored again, "
+                "or its worker's time is off); not applied. details()['stale_messages'] counts them",
+                self.options.subject,
+                late,
+            )
+
+
+def _stored_at(message: Any) -> float | None:
+    """When the broker stored a message (seconds since the epoch, its clock)."""
+    try:
+        return float(message.metadata.timestamp.timestamp())
+    except Exception:
+        return None
 
 
 def _names_credentials(error: object, options: SharedOptions) -> bool:

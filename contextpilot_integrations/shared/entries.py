@@ -11,11 +11,16 @@ learned them. Each entry is one of the pilot's observer events (see
     ["reset", time]
     ["stick", conversation_id, target name, time]   (a router: where a conversation lives)
 
-The time (seconds since the epoch, when the worker learned it) measures propagation lag.
+The time (seconds since the epoch by the broker's clock: each worker converts its own
+with its measured offset to it) measures propagation lag.
 
 Every message (and every snapshot) starts with an HMAC-SHA256 of its body under the
-deployment's secret, bound to where it belongs (the subject, or the snapshot's name): a
-client of the broker without the secret can store messages, but no worker applies them.
+deployment's secret, bound to the stream's identity (its name and creation time: another
+deployment's stream, or one deleted and made again, is another identity) and to where it
+belongs (the subject, or the snapshot's name): a client of the broker without the secret
+can store messages, but no worker applies them, and a signed message copied into another
+stream does not verify there. A message also carries when it was signed (``t``, the
+broker's clock), so one stored again long after is told apart from a fresh one.
 A message is checked whole before any of it is applied: one that is not signed, does not
 decode, names more than :data:`~contextpilot_integrations.core.validation.MAX_BLOCKS` blocks, or
 holds one malformed entry is skipped whole, so one bad publisher never stops the others.
@@ -27,17 +32,18 @@ import hashlib
 import hmac
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.validation import MAX_BLOCKS
 
-__all__ = ["Batch", "Entry", "block_count", "decode_batch", "encode_batch", "seal", "unseal"]
+__all__ = ["Batch", "Entry", "block_count", "decode_batch", "encode_batch", "key_id", "seal", "unseal"]
 
 Entry = tuple[Any, ...]
 """(kind, *details, time): an observer event with the time it was learned."""
 
-_FORMAT = 1
+_FORMAT = 2  # 2: bound to the stream's identity, with the time it was signed
 _MAC = 64  # hex digits of an HMAC-SHA256
 
 
@@ -50,6 +56,8 @@ class Batch:
     first: int
     """The origin's number of the first entry (the message id is ``origin:first``)."""
     entries: list[Entry]
+    signed: float = 0.0
+    """When it was signed (seconds since the epoch, the broker's clock)."""
 
     @property
     def message_id(self) -> str:
@@ -57,20 +65,36 @@ class Batch:
 
 
 def seal(key: bytes, context: str, body: bytes) -> bytes:
-    """``body`` with its MAC in front, bound to ``context`` (a subject or a snapshot name)."""
+    """``body`` with its MAC in front, bound to ``context`` (the stream's identity and a
+    subject or a snapshot name, see :func:`context`)."""
     return _mac(key, context, body) + body
 
 
-def unseal(key: bytes, context: str, data: bytes) -> bytes | None:
-    """The body of a sealed message, or ``None`` when its MAC is not the deployment's."""
+def unseal(keys: bytes | Sequence[bytes], context: str, data: bytes) -> bytes | None:
+    """The body of a sealed message, or ``None`` when its MAC is under none of ``keys`` (the
+    deployment's secrets: the one it signs with, then those it still accepts)."""
     body = data[_MAC:]
-    if len(data) < _MAC or not hmac.compare_digest(data[:_MAC], _mac(key, context, body)):
+    if len(data) < _MAC:
         return None
-    return body
+    for key in [keys] if isinstance(keys, bytes) else keys:
+        if hmac.compare_digest(data[:_MAC], _mac(key, context, body)):
+            return body
+    return None
+
+
+def context(stream: str, name: str) -> str:
+    """What a MAC is bound to: the stream's identity and the subject (or snapshot name)."""
+    return f"{stream}\x00{name}"
+
+
+def key_id(key: bytes) -> str:
+    """A short public name of a secret (the snapshots it signs are kept under it), from
+    which the secret cannot be learned."""
+    return hmac.new(key, b"contextpilot-shared/key-id", hashlib.sha256).hexdigest()[:16]
 
 
 def _mac(key: bytes, context: str, body: bytes) -> bytes:
-    message = b"contextpilot-shared/1\x00" + context.encode() + b"\x00" + body
+    message = b"contextpilot-shared/2\x00" + context.encode() + b"\x00" + body
     return hmac.new(key, message, hashlib.sha256).hexdigest().encode()
 
 
@@ -78,11 +102,16 @@ def encode_entry(entry: Entry) -> bytes:
     return json.dumps(entry, separators=(",", ":")).encode()
 
 
-def encode_batch(batch: Batch, encoded: list[bytes] | None = None) -> bytes:
-    """The message body (``encoded``: the entries already encoded, in order)."""
-    entries = encoded if encoded is not None else [encode_entry(entry) for entry in batch.entries]
-    head = json.dumps({"v": _FORMAT, "o": batch.origin, "n": batch.first}, separators=(",", ":"))
-    return head[:-1].encode() + b',"e":[' + b",".join(entries) + b"]}"
+def encode_entries(entries: list[Entry]) -> bytes:
+    """A batch's entries, encoded once (its head is written again at each publish)."""
+    return b",".join(encode_entry(entry) for entry in entries)
+
+
+def encode_batch(batch: Batch, encoded: bytes | None = None) -> bytes:
+    """The message body (``encoded``: :func:`encode_entries` of its entries)."""
+    entries = encoded if encoded is not None else encode_entries(batch.entries)
+    head = {"v": _FORMAT, "o": batch.origin, "n": batch.first, "t": batch.signed}
+    return json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"e":[' + entries + b"]}"
 
 
 def block_count(entry: Entry) -> int:
@@ -100,8 +129,8 @@ def decode_batch(data: bytes) -> Batch | None:
         body = json.loads(data)
         if not isinstance(body, dict) or body.get("v") != _FORMAT:
             return None
-        origin, first, raw = body["o"], body["n"], body["e"]
-        if not isinstance(origin, str) or not _is_int(first) or not isinstance(raw, list):
+        origin, first, raw, signed = body["o"], body["n"], body["e"], _time(body["t"])
+        if not isinstance(origin, str) or not _is_int(first) or not isinstance(raw, list) or signed is None:
             return None
         entries: list[Entry] = []
         blocks = 0
@@ -113,7 +142,7 @@ def decode_batch(data: bytes) -> Batch | None:
             if blocks > MAX_BLOCKS:
                 return None
             entries.append(entry)
-        return Batch(origin, first, entries)
+        return Batch(origin, first, entries, signed)
     except (ValueError, KeyError, TypeError, RecursionError):
         return None
 

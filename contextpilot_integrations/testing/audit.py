@@ -1,11 +1,12 @@
 """The two invariants, audited after every test: a pytest fixture for the suites' conftests.
 
-Nothing lost (each location reference with its text in the same messages) and exact
-binding (no request id sent twice) hold for every chat body a wiring sends, whoever built
-its HTTP client. So :func:`audited_bodies` records, for the length of one test, every JSON
-body sent through the HTTP stacks the wirings and SDKs use (httpx and its fork httpx2: the
-chat models, the OpenAI, Anthropic and Gemini SDKs, our engine clients; urllib3: boto3;
-aiohttp: Gemini's async calls) and fails the test on a breach
+Nothing lost (each location reference with its text in the same messages; a quote's words
+begin copies of one text only) and exact binding (no request id sent twice) hold for every
+chat body a wiring sends, whoever built its HTTP client. So :func:`audited_bodies` records,
+for the length of one test, every JSON body sent through the HTTP stacks the wirings and
+SDKs use (httpx and its fork httpx2: the chat models, the OpenAI, Anthropic and Gemini
+SDKs, our engine clients; urllib3: boto3; aiohttp: Gemini's async calls) and fails the
+test on a breach
 (:func:`~contextpilot_integrations.pilot.binding.invariant_breaches`). A conftest imports
 it; a test that sends a breach on purpose says so with ``@pytest.mark.breaches_allowed("why")``
 (the marker is registered in each suite's pytest configuration).

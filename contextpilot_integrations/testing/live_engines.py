@@ -60,7 +60,7 @@ __all__ = [
     "DroppingSink",
     "dropping_subscriber",
     "EventPath",
-    "LegacySink",
+    "IdsOnlySink",
     "LiveEngine",
     "Outcome",
     "agreement",
@@ -620,8 +620,8 @@ class EventPath:
         self.engine.stop()
 
 
-class LegacySink(KvEventSink):
-    """The sink before issue 24: prompt token ids only, no block ends, no confirmation."""
+class IdsOnlySink(KvEventSink):
+    """A sink that maps prompt token ids only: no block ends, no confirmation of unseen pages."""
 
     def track(
         self,
@@ -677,11 +677,11 @@ def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: in
     engine, then 33 scored ones: 3 to converge, 30 converged) or ``"batches-dropped"``
     (two event batches lost: posted by our plugin but never applied, as if the listener
     had failed them; over ZMQ, never received by the subscriber).
-    ``fixed=False`` runs the code as it was before issue 24 (:class:`LegacySink`, no block
+    ``fixed=False`` runs without block ends (:class:`IdsOnlySink`, no block
     ends, no replay socket or heartbeat), for the benchmark's before/after.
     """
     path.flush()
-    sink_class: type[KvEventSink] = LegacySink if not fixed else KvEventSink
+    sink_class: type[KvEventSink] = IdsOnlySink if not fixed else KvEventSink
     subscriber_class = None
     if scenario == "batches-dropped":
         if path.name == "sglang-plugin":
@@ -696,7 +696,7 @@ def run_scenario(path: EventPath, scenario: str, *, fixed: bool = True, seed: in
     path.sink = sink
     warm_head(path.engine.url)
     if not fixed:
-        client.block_tokenizer.engine = "off"  # no block ends: the client before issue 24
+        client.block_tokenizer.engine = "off"  # no block ends
     requests = workload(seed, 43 if scenario == "app-restarted" else 30)
     if scenario == "app-restarted":
         for n, blocks in enumerate(requests[:10]):

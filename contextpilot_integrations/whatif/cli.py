@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..core.usage import MAX_TOKENS
 from ..engines.router import Router
+from ..index.cluster import SCIPY_MISSING, scipy_missing
 from ..index.strategies import STRATEGIES
 from ..pilot import ContextPilot
 from .answers.cli import add_answers_command, run_answers
-from .engine_compare import EngineComparison, EngineComparisonError
+from .engine_compare import EngineComparison, EngineComparisonError, engine_unreachable
 from .provider_sim import add_provider_options, provider_whatif
 from .replay import ARRIVALS, FEEDBACKS, MODES, Mode, PromptShape, replay, replay_routed, reuse_bound_of_prompts
-from .report import Row, as_json, plot, print_table
+from .report import PLOT_NAME, PLOT_SUFFIXES, Row, as_json, plot, print_table
 from .synthetic import FAMILIES, SyntheticError, family, generate
 from .trace import TraceError, TraceRequest, load_trace, multihop_chats, multihop_trace, working_set_tokens
 from .workers import worker_rows
@@ -111,6 +112,12 @@ def _family(text: str) -> str:
     return text
 
 
+def plot_file(out: Path) -> Path:
+    """Where ``--out`` puts the plot: the file itself when it names one (a suffix, and not a
+    folder already there), else :data:`PLOT_NAME` in that folder."""
+    return out if out.suffix and not out.is_dir() else out / PLOT_NAME
+
+
 def _check_writable(path: Path, directory: bool) -> str | None:
     """Fail before hours of replays, not after: can we write there?"""
     folder = path if directory else path.parent
@@ -190,8 +197,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--strategies",
             type=_names(strategy_names(), "strategy"),
-            default=strategy_names(),
-            help=f"comma-separated, from: {', '.join(strategy_names())} (default: all)",
+            help=f"comma-separated, from: {', '.join(strategy_names())} (default: all; paper needs the [paper] extra, "
+            "and is left out without it)",
         )
         command.add_argument(
             "--modes",
@@ -220,7 +227,9 @@ def _parser() -> argparse.ArgumentParser:
             "own index (what uvicorn --workers N does)",
         )
         command.add_argument(
-            "--shared", action="store_true", help="online with --workers: also the shared view (issue 23), side by side"
+            "--shared",
+            action="store_true",
+            help="online with --workers: also the workers sharing one index (what [shared] does), side by side",
         )
         command.add_argument("--feedback", choices=FEEDBACKS, default="request", help=FEEDBACK_HELP)
         command.add_argument(
@@ -264,8 +273,14 @@ def _parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--model", default="default", help="the model name the server expects")
         command.add_argument("--json", action="store_true", help="print results as JSON")
-        command.add_argument("--out", type=Path, default=Path("contextpilot-out"), help="where the plot goes")
-        command.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+        command.add_argument(
+            "--out",
+            type=Path,
+            default=Path("contextpilot-out"),
+            help=f"where the plot goes: a file named with its format ({', '.join(PLOT_SUFFIXES)}), its folder made "
+            f"if missing; any other path is a folder that gets {PLOT_NAME} (default: contextpilot-out)",
+        )
+        command.add_argument("--no-plot", action="store_true", help="do not write the plot")
         command.add_argument("--quiet", action="store_true", help="no progress bar")
         add_provider_options(command)
     return parser
@@ -316,10 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, SyntheticError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    notes: list[str] = []
     has_chat = any(r.conversation is not None for r in workload.chat)
     every = args.command == "demo" or (getattr(args, "synthetic", None) and has_chat)
     modes = args.modes or (list(MODES) if every else (["chat"] if has_chat else ["offline", "online"]))
-    problem = _check_outputs(args, modes)
+    if not args.modes and not every and has_chat:
+        notes.append(_why_chat_only(workload.chat))
+    problem = _strategies(args, notes) or _check_outputs(args, modes)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -332,7 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(json.dumps(provider_report, indent=2) if args.json else "\n".join(lines))
         return 0
-    notes: list[str] = []
     strategies = list(args.strategies)
     if "paper" in strategies and len(workload.single) > args.paper_limit:
         strategies.remove("paper")
@@ -394,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes += _notes(workload, rows)
     if plan_key is not None:
         args.plan_out.write_text("".join(json.dumps(row) + "\n" for row in plan), encoding="utf-8")
-    plot_path = None if args.no_plot else plot(rows, args.out, workload.title)
+    plot_path = None if args.no_plot else plot(rows, plot_file(args.out), workload.title)
     engine: EngineComparison | None = None
     if args.engine or args.engine_cmd:
         outcome = _run_engine(args, workload)
@@ -460,6 +477,31 @@ def _runs(
     return runs
 
 
+def _why_chat_only(trace: Sequence[TraceRequest]) -> str:
+    """The note that says why a trace runs in chat mode alone (it is chosen, not asked for)."""
+    conversations = len({r.conversation for r in trace if r.conversation is not None})
+    inside = sum(1 for r in trace if r.conversation is not None)
+    alone = len(trace) - inside
+    which = "one conversation" if conversations == 1 else f"{conversations:,} conversations"
+    rest = f"; the other {alone:,} lines are replayed as chats of one turn" if alone else ""
+    return (
+        f"chat mode only: {inside:,} of the trace's {len(trace):,} lines belong to {which}{rest}. "
+        "--modes offline,online replays every line on its own, without its history"
+    )
+
+
+def _strategies(args: argparse.Namespace, notes: list[str]) -> str | None:
+    """Fill in ``args.strategies`` (all by default); the paper strategy needs scipy."""
+    asked = args.strategies is not None
+    args.strategies = list(args.strategies or strategy_names())
+    if "paper" in args.strategies and scipy_missing():
+        if asked:
+            return SCIPY_MISSING
+        args.strategies.remove("paper")
+        notes.append(f"paper left out: {SCIPY_MISSING}")
+    return None
+
+
 def _chat_label(strategy: str, dedup: bool) -> str:
     return f"{label(strategy)} + de-dup" if dedup else "retrieval order, every block resent"
 
@@ -470,7 +512,15 @@ def _check_outputs(args: argparse.Namespace, modes: Sequence[str]) -> str | None
             return f"--plan-out writes the {DEFAULT_STRATEGY} strategy's plan: add it to --strategies"
         if not {"offline", "chat"} & set(modes):
             return "--plan-out writes an offline or chat plan: add offline or chat to --modes"
-    checks = [] if args.no_plot else [(args.out, True)]
+    checks = []
+    if not args.no_plot:
+        target = plot_file(args.out)
+        if target.suffix.lower() not in PLOT_SUFFIXES:
+            return (
+                f"--out {args.out}: a plot file ends in {', '.join(PLOT_SUFFIXES)}; a folder has no suffix "
+                "(or is there already)"
+            )
+        checks.append((target.parent, True))  # the file itself is written only if matplotlib is there
     if args.command == "simulate" and args.plan_out:
         checks.append((args.plan_out, False))
     for path, directory in checks:
@@ -481,6 +531,8 @@ def _check_outputs(args: argparse.Namespace, modes: Sequence[str]) -> str | None
         return "give --engine URL or --engine-cmd CMD, not both"
     if args.workers > 1 and args.targets > 1:
         return "give --workers (one engine, several workers) or --targets (several engines), not both"
+    if args.engine:  # before the replays, which can take minutes
+        return engine_unreachable(args.engine)
     return None
 
 
@@ -514,7 +566,8 @@ def _header(args: argparse.Namespace, workload: Workload, modes: Sequence[str], 
         if own:  # a line's own history_turns wins
             history += f" (lines that give history_turns: theirs, up to {max(own)})"
         lines.append(
-            f"chat: {conversations:,} conversations, {len(workload.chat):,} turns, interleaved by turn; "
+            f"chat: {conversations:,} conversation{'' if conversations == 1 else 's'}, {len(workload.chat):,} turns, "
+            "interleaved by turn; "
             f"history {history}; answers of {shape.answer_tokens} tokens; feedback {args.feedback}; capacity is a "
             "share of what resending every block would leave in a cache that never evicts"
         )

@@ -39,7 +39,7 @@ from ..core.annotations import DEFAULT_TEMPLATES
 from ..core.blocks import Block
 from ..core.prepared import PreparedRequest, resolve_history
 from ..core.usage import check_usage
-from ..engines.client import OpenAICompatClient
+from ..engines.client import OpenAICompatClient, redact_url
 from ..engines.tokens import EngineTokenCounter
 from ..errors import ContextPilotError, EngineError
 from ..pilot import BatchRequest, ContextPilot
@@ -53,6 +53,7 @@ __all__ = [
     "EngineComparisonError",
     "EnginePass",
     "engine_identity",
+    "engine_unreachable",
     "flush_engine_cache",
     "plain_prompt",
 ]
@@ -82,6 +83,18 @@ def flush_engine_cache(base_url: str, engine: str | None = None) -> bool:
         except httpx.HTTPError:
             pass
     return False
+
+
+def engine_unreachable(base_url: str, timeout: float = 10.0) -> str | None:
+    """Why nothing answers at ``base_url`` (a message naming it), or None when a server does:
+    any HTTP answer to ``GET /v1/models``, even an error page, means one is there."""
+    where = redact_url(base_url)
+    try:
+        httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        reason = str(exc) or type(exc).__name__
+        return f"cannot reach the engine at {where}: {reason} (is the server running, and is the URL right?)"
+    return None
 
 
 def engine_identity(base_url: str) -> tuple[str, str | None]:
@@ -329,11 +342,14 @@ class _Server:
             return
         assert self.url is not None
         if not flush_engine_cache(self.url, self.kind):
+            unreachable = engine_unreachable(self.url)
+            if unreachable:  # it went away: say that, not that it cannot flush
+                raise EngineComparisonError(unreachable)
             raise EngineComparisonError(
-                f"refusing to compare: {self.url} did not flush its cache (POST /flush_cache or /reset_prefix_cache "
-                "failed), so the passes could share a cache and whichever ran second would look faster. Use an "
-                "engine that flushes (SGLang; vLLM with VLLM_SERVER_DEV_MODE=1), or give --engine-cmd so that "
-                "every pass starts a fresh server (llama-server)"
+                f"refusing to compare: {redact_url(self.url)} did not flush its cache (POST /flush_cache or "
+                "/reset_prefix_cache failed), so the passes could share a cache and whichever ran second would look "
+                "faster. Use an engine that flushes (SGLang; vLLM with VLLM_SERVER_DEV_MODE=1), or give --engine-cmd "
+                "so that every pass starts a fresh server (llama-server)"
             )
         yield self.url
 

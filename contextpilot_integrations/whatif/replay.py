@@ -156,7 +156,7 @@ class _Blocks:
         for block_id, tokens in zip(request.blocks, request.token_counts(), strict=True):
             block = self._blocks.get((block_id, tokens))
             if block is None:
-                block = self._blocks[(block_id, tokens)] = Block(id=block_id, text=block_id, tokens=tokens)
+                block = self._blocks[(block_id, tokens)] = Block(id=block_id, text=f"[{block_id}]", tokens=tokens)
             out.append(block)
         return out
 

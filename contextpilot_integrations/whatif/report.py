@@ -10,7 +10,13 @@ from typing import Any
 
 from .replay import ReplayResult
 
-__all__ = ["Row", "as_json", "plot", "print_table"]
+__all__ = ["PLOT_NAME", "PLOT_SUFFIXES", "Row", "as_json", "plot", "print_table"]
+
+PLOT_NAME = "reuse_vs_capacity.png"
+"""The plot's name in a folder given as ``--out``."""
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""The formats a plot file named by ``--out`` can take (from its suffix)."""
+LOAD = "load: the busiest engine's requests over the mean (1.00: even)"
 
 PROMPT_TOKENS = (
     "prompt tokens = system prompt + chat history + blocks + location references + order annotation + question"
@@ -47,11 +53,12 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Row], notes: S
         print(line)
     print(PROMPT_TOKENS + "; hit ratio = cached / prompt tokens\n")
     single = [row for row in rows if row.result.mode != "chat"]
+    routed = any(row.result.routing for row in single)  # the load column only where engines share traffic
     if single:
         width = max([18] + [len(row.label) + 1 for row in single])
         head = (
             f"{'mode':<8}{'capacity':>9}  {'strategy':<{width}}{'hit ratio':>10}{'vs retrieval':>14}"
-            f"{'prefill':>10}{'pilot time':>14}{'load':>7}"
+            f"{'prefill':>10}{'pilot time':>14}" + (f"{'load':>7}" if routed else "")
         )
         print(head)
         print("-" * len(head))
@@ -62,9 +69,11 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Row], notes: S
             versus = f"{r.hit_ratio / base.hit_ratio:.1f}x" if base and base.hit_ratio else "-"
             lead = f"{r.mode:<8}{row.fraction:>9.0%}" if (r.mode, row.fraction) != previous else " " * 17
             prefill = _millions(r.prefill_tokens)
-            load = f"{r.max_load_share:.2f}" if r.routing else ""
-            print(f"{lead}  {row.label:<{width}}{r.hit_ratio:>10.1%}{versus:>14}{prefill:>10}{_timing(r):>14}{load:>7}")
+            load = f"{f'{r.max_load_share:.2f}' if r.routing else '-':>7}" if routed else ""
+            print(f"{lead}  {row.label:<{width}}{r.hit_ratio:>10.1%}{versus:>14}{prefill:>10}{_timing(r):>14}{load}")
             previous = (r.mode, row.fraction)
+        if routed:
+            print(LOAD)
     chat = [row for row in rows if row.result.mode == "chat"]
     if chat:
         head = (
@@ -131,8 +140,10 @@ def as_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(rows: Sequence[Row], out: Path, title: str) -> Path | None:
-    """Hit ratio (single-shot) and prefill saved (chat) against cache size, one panel a mode."""
+def plot(rows: Sequence[Row], path: Path, title: str) -> Path | None:
+    """Hit ratio (single-shot) and prefill saved (chat) against cache size, one panel a mode,
+    written to ``path`` (its folder made if missing; the format from its suffix); the path, or
+    None without matplotlib."""
     try:
         import matplotlib
 
@@ -170,8 +181,7 @@ def plot(rows: Sequence[Row], out: Path, title: str) -> Path | None:
         ax.legend(fontsize=8)
     fig.suptitle(f"ContextPilot on {title}")
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "reuse_vs_capacity.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -67,11 +67,14 @@ def to_blocks(documents: Sequence[Document]) -> list[Block]:
 def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> list[Document]:
     """The retrieved documents in the order the model reads them (:attr:`PreparedRequest.sequence`), annotated in
     ``metadata["contextpilot"]`` (never as an extra document); blank documents last, as
-    given (they carry no text, so where they go changes nothing the model reads)."""
-    by_id: dict[str, Document] = {}
+    given (they carry no text, so where they go changes nothing the model reads). A
+    document given again under the same id and text (two sources of one chunk) follows its
+    first copy, marked ``duplicate_of`` with nothing to show: its text is sent once, and
+    every document comes back."""
+    by_id: dict[str, list[Document]] = {}
     for document in documents:
         if not is_blank(document):
-            by_id.setdefault(document_id(document) or content_id(document.page_content), document)
+            by_id.setdefault(document_id(document) or content_id(document.page_content), []).append(document)
     shared = {
         "request_id": prepared.request_id,
         "order_annotation": prepared.order_annotation,
@@ -88,7 +91,10 @@ def in_send_order(prepared: PreparedRequest, documents: Sequence[Document]) -> l
             block, fields = part, {"position": position, "text": prepared.rendered(part), "reference": None}
             position += 1
         info = {**shared, "label": block.label, "rank": ranks[block.id], **fields}
-        out.append(_annotated(by_id[block.id], info))
+        first, *again = by_id[block.id]
+        out.append(_annotated(first, info))
+        shown_once = {**info, "position": None, "text": None, "reference": None, "duplicate_of": block.label}
+        out += [_annotated(document, shown_once) for document in again]
     return out + [document for document in documents if is_blank(document)]
 
 

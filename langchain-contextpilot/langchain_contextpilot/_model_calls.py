@@ -23,6 +23,7 @@ from contextpilot_integrations.errors import as_engine_error
 from contextpilot_integrations.pilot.binding import Binding, checked_for_sending
 
 from . import _binding
+from ._written import as_sent, newest_written, note_written
 
 BINDING_KWARG = "_contextpilot_binding"
 """A routed call names its request to the target's model explicitly."""
@@ -38,9 +39,10 @@ def bind(
     if binding is None:
         # a model's stream() calls _stream without its run manager: the run's config is in context
         binding = _binding.take(run_manager if run_manager is not None else ensure_config().get("callbacks"))
-    messages = list(messages)
+    messages, written = as_sent(messages)  # documents kept in full in a graph's state: referred to here
     if binding is None:
         return None, messages
+    note_written(binding, written, newest_written(messages))
     segments, places = _segments(messages)
     binding = checked_for_sending(binding, segments)
     return binding, _rebuilt(messages, segments, places)

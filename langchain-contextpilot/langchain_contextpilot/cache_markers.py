@@ -33,6 +33,8 @@ from contextpilot_integrations.integration.call_plan import MarkedCall, markers_
 from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
+from ._marker_limit import OwnMark
+
 __all__ = ["PROVIDERS", "MarkedCall", "mark_messages", "model_name", "provider_of", "raw_usage", "text_of"]
 
 PROVIDERS = ("openai", "anthropic", "bedrock", "gemini")
@@ -252,7 +254,7 @@ def _split(message: BaseMessage, part_index: int, ends: list[int], provider: str
 
 def _marked(part: dict[str, Any], provider: str) -> list[dict[str, Any]]:
     if provider == "anthropic":
-        return [{**part, "cache_control": dict(_ANTHROPIC_MARK)}]
+        return [{**part, "cache_control": OwnMark(_ANTHROPIC_MARK)}]
     if provider == "openai":  # GPT-5.6 and later: an explicit breakpoint on the content part
         return [{**part, "prompt_cache_breakpoint": {"mode": "explicit"}}]
     return [part, dict(_BEDROCK_MARK)]

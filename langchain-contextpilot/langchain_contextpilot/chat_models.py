@@ -262,12 +262,7 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     @model_validator(mode="before")
     @classmethod
     def _known_arguments(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            known = {*cls.model_fields, *(field.alias for field in cls.model_fields.values() if field.alias)}
-            for name in values:
-                if name not in known:
-                    raise ValueError(_unknown_argument(cls, name))
-        return values
+        return _known_only(cls, values)
 
     @model_validator(mode="after")
     def _engine_needs_a_body(self) -> ContextPilotChatModel:
@@ -389,6 +384,16 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         )
 
 
+def _known_only(cls: Any, values: Any) -> Any:
+    """``values`` when every name is a field of ``cls`` (or its alias); else a clear refusal."""
+    if isinstance(values, dict):
+        known = {*cls.model_fields, *(field.alias for field in cls.model_fields.values() if field.alias)}
+        for name in values:
+            if name not in known:
+                raise ValueError(_unknown_argument(cls, name))
+    return values
+
+
 def _unknown_argument(cls: type, name: str) -> str:
     """Why ``name`` is refused, and what was probably meant."""
     known = sorted(cls.model_fields)  # type: ignore[attr-defined]
@@ -436,6 +441,13 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
     router: Any = Field(default=None, exclude=True)
     """An ``engines.Router``: each call goes to the target whose cache the prepared request
     was ordered for (``base_url`` is then unused); an unreachable target is routed around."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, values: Any) -> Any:
+        """An unknown name is refused, not moved into ``model_kwargs`` and sent in the body
+        (``ChatOpenAI``'s habit): ``ChatSGLang(server=...)`` would reach the engine."""
+        return _known_only(cls, values)
 
     @model_validator(mode="before")
     @classmethod

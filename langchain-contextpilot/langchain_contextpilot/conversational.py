@@ -6,6 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
@@ -26,7 +27,18 @@ from ._documents import conversation_id_from_config, to_blocks
 
 __all__ = ["ConversationalRAG"]
 
-_Turns = OrderedDict[int, tuple[str, str, PreparedRequest]]  # turn -> (user message, answer, its request)
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    user: str
+    answer: str
+    prepared: PreparedRequest
+    known: bool = True
+    """The pilot still knows this turn under ``prepared.turn`` (it numbers a conversation it
+    ended or dropped afresh from 0: such turns stay in the history, never referred to)."""
+
+
+_Turns = OrderedDict[int, _Turn]  # this conversation's turns, numbered in the order they were asked
 
 
 class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
@@ -37,6 +49,10 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
     Input: the question, or ``{"question": ..., "history": [messages]}`` when the caller
     keeps the history (``RunnableWithMessageHistory(rag, ..., input_messages_key=
     "question", history_messages_key="history")``). Output: the model's ``AIMessage``.
+    A caller's history de-duplicates only where it holds the user messages this component
+    sent (context included); ``RunnableWithMessageHistory`` keeps the bare questions, so
+    there is nothing in it to refer to and each turn sends its documents in full, as
+    without ContextPilot. De-duplication needs this component's own memory (no history given).
     ``invoke``, ``ainvoke``, ``stream``, ``astream`` and ``batch`` all work, and it pipes.
 
     The conversation is the run config's ``configurable.conversation_id``, ``thread_id``
@@ -80,11 +96,12 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
 
     # ---- the kept history --------------------------------------------------------------------
     def history(self, conversation_id: str) -> list[tuple[int, str, str]]:
-        """(turn, user message, answer) of the turns kept for this conversation."""
+        """(turn, user message, answer) of the turns kept for this conversation, in the order
+        they were asked (turns numbered from 0 by this component)."""
         with self._lock:
             self._expire()
             _, turns = self._turns.get(conversation_id, (0.0, OrderedDict()))
-            return [(turn, user, answer) for turn, (user, answer, _) in turns.items()]
+            return [(number, turn.user, turn.answer) for number, turn in turns.items()]
 
     def reset(self, conversation_id: str) -> None:
         """Forget a conversation (its kept turns and the pilot's record of what it showed)."""
@@ -103,9 +120,13 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
     def _record(self, conversation_id: str | None, binding: Binding, user: str, answer: BaseMessage) -> None:
         if conversation_id is None or binding.prepared.turn is None:
             return
+        turn = binding.prepared.turn
         with self._lock:
             _, turns = self._turns.pop(conversation_id, (0.0, OrderedDict()))
-            turns[binding.prepared.turn] = (user, _text(answer), binding.prepared)
+            if any(kept.known and (kept.prepared.turn or 0) >= turn for kept in turns.values()):
+                # the pilot ended or dropped the conversation and numbers it afresh
+                turns = OrderedDict((number, replace(kept, known=False)) for number, kept in turns.items())
+            turns[next(reversed(turns)) + 1 if turns else 0] = _Turn(user, _text(answer), binding.prepared)
             while len(turns) > max(self.max_turns, 1):
                 turns.popitem(last=False)
             self._turns[conversation_id] = (time.monotonic(), turns)
@@ -127,16 +148,16 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
             _, turns = self._turns.get(conversation_id, (0.0, OrderedDict()))
             turns = OrderedDict(turns)
         if given is None:  # our own memory: the last max_turns turns
-            window = list(turns.items())[-self.max_turns :] if self.max_turns else []
+            sent = list(turns.values())[-self.max_turns :] if self.max_turns else []
             history: list[BaseMessage] = []
-            for _, (user, answer, _) in window:
-                history += [HumanMessage(user), AIMessage(answer)]
-            kept = {turn for turn, _ in window}
+            for turn in sent:
+                history += [HumanMessage(turn.user), AIMessage(turn.answer)]
         else:
             history = list(given)
             shown = {_text(message) for message in given if isinstance(message, HumanMessage)}
-            kept = {turn for turn, (user, _, _) in turns.items() if user in shown}
-        return question, conversation_id, _resolved(history, [turns[turn][2] for turn in sorted(kept)]), kept
+            sent = [turn for turn in turns.values() if turn.user in shown]
+        kept = {turn.prepared.turn for turn in sent if turn.known and turn.prepared.turn is not None}
+        return question, conversation_id, _resolved(history, [turn.prepared for turn in sent]), kept
 
     def _messages(self, binding: Binding, history: list[BaseMessage]) -> tuple[str, list[BaseMessage]]:
         user = binding.prepared.render()

@@ -16,11 +16,14 @@ def format_documents(documents: Sequence[Document]) -> str:
     """The documents in the order given (ContextPilot's: the blocks, the shared prefix, and
     the location references, each in the place the model reads it), then the order annotation.
 
-    Documents without ContextPilot metadata are rendered as plain text blocks.
+    Documents without ContextPilot metadata are rendered as plain text blocks; a second
+    source of a document already shown (``duplicate_of``) adds nothing.
     """
     parts, annotation, separator = [], "", "\n\n"
     for document in documents:
         info = document.metadata.get(METADATA_KEY) or {}
+        if info.get("duplicate_of"):  # another source of a document shown already
+            continue
         parts.append(info.get("reference") or info.get("text") or document.page_content)  # the pilot's rendering
         annotation = info.get("order_annotation") or annotation
         separator = info.get("separator") or separator

@@ -1,11 +1,13 @@
-"""A LangGraph node that de-duplicates safely: the graph state holds the messages it refers to.
+"""A LangGraph node that de-duplicates safely, whatever later rewrites the graph's state.
 
 A retriever cannot de-duplicate (it never sees the prompt). A graph whose state keeps the
 conversation's messages can: :class:`ContextPilotRetrieveNode` turns the latest user
-question into a message carrying the retrieved context, where documents that an earlier
-user message *in the state* already carries become location references. The model node
-then sends ``state["messages"]``, which hold every text a reference points to (and the
-chat model classes of this package put back any text a trimmed history lost)::
+question into a message carrying the retrieved context. The state keeps every document in
+full; those that an earlier user message carries are marked, and the chat model classes of
+this package (``ChatSGLang``, ``ContextPilotChatModel``) send each as its location reference
+only where the very messages sent carry its text before it. A node that trims the
+messages, trims the model's input or summarizes never leaves a reference without its text;
+a model not of this package sends every document in full::
 
     from langgraph.graph import START, MessagesState, StateGraph
 
@@ -37,11 +39,9 @@ from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, pre
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, to_blocks
+from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, written_out
 
 __all__ = ["TURN_KEY", "ContextPilotRetrieveNode"]
-
-TURN_KEY = "contextpilot_turn"
-"""Where a context message records its conversation turn (``additional_kwargs``)."""
 
 
 class ContextPilotRetrieveNode(BaseModel):
@@ -69,9 +69,14 @@ class ContextPilotRetrieveNode(BaseModel):
     def _update(self, question: HumanMessage, binding: Binding, config: RunnableConfig) -> dict[str, Any]:
         callbacks = config.get("callbacks")
         deposit(callbacks, callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None, binding)
-        turn = {TURN_KEY: binding.prepared.turn} if binding.prepared.turn is not None else {}
-        context = HumanMessage(binding.prepared.render(), id=question.id, additional_kwargs=turn)
-        return {self.messages_key: [context]}
+        prepared = binding.prepared
+        content, spans = written_out(prepared, include_question=True)
+        extra: dict[str, Any] = {REQUEST_KEY: prepared.request_id}
+        if prepared.turn is not None:
+            extra[TURN_KEY] = prepared.turn
+        if spans:
+            extra[REFERENCES_KEY] = spans
+        return {self.messages_key: [HumanMessage(content, id=question.id, additional_kwargs=extra)]}
 
     def __call__(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         config = ensure_config(config)

@@ -29,13 +29,16 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from langchain.agents.middleware.types import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolMessage
-from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command
 
-from contextpilot_integrations import PreparedRequest, Reference, content_id
+try:
+    from langchain.agents.middleware.types import AgentMiddleware, ModelRequest, ModelResponse
+    from langgraph.prebuilt.tool_node import ToolCallRequest
+    from langgraph.types import Command
+except ImportError as exc:  # the base install has neither langchain nor langgraph
+    raise ImportError("ContextPilotMiddleware needs langchain: pip install 'langchain-contextpilot[agents]'") from exc
+
 from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
@@ -45,20 +48,22 @@ from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, is_blank, to_blocks
+from ._marker_limit import MarkerLimitWarning, limited
 from ._model_calls import _rebuilt, _segments
+from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, as_sent, note_written, written_out
 from .chat_models import ContextPilotChatModel
 
-__all__ = ["REFERENCES_KEY", "REQUEST_KEY", "TURN_KEY", "ContextPilotMiddleware", "WrappedModelWarning"]
+__all__ = [
+    "MarkerLimitWarning",
+    "REFERENCES_KEY",
+    "REQUEST_KEY",
+    "TURN_KEY",
+    "ContextPilotMiddleware",
+    "WrappedModelWarning",
+]
 
 _log = logging.getLogger(__name__)
 
-TURN_KEY = "contextpilot_turn"
-"""Where a rewritten tool result records its conversation turn (``additional_kwargs``)."""
-REQUEST_KEY = "contextpilot_request"
-"""Where a rewritten tool result records its prepared request's id (``additional_kwargs``)."""
-REFERENCES_KEY = "contextpilot_references"
-"""Where a rewritten tool result records its documents that may go out as references
-(``additional_kwargs``): ``[reference text, start, end, digest of content[start:end]]``."""
 MAX_PENDING = 1_000
 
 
@@ -134,7 +139,7 @@ class ContextPilotMiddleware(AgentMiddleware):
             self._pending[prepared.request_id] = binding
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
-        content, spans = _written_out(prepared)
+        content, spans = written_out(prepared)
         extra = {**result.additional_kwargs, REQUEST_KEY: prepared.request_id}
         if prepared.turn is not None:
             extra[TURN_KEY] = prepared.turn
@@ -178,15 +183,11 @@ class ContextPilotMiddleware(AgentMiddleware):
         self._check_model(request.model)
         binding, rid = self._take(request.messages)
         system = [request.system_message] if request.system_message is not None else []
-        messages, written = _as_sent([*system, *request.messages])
+        messages, written = as_sent([*system, *request.messages])
         if binding is None:
             history: dict[str, Any] = {"messages": messages[len(system) :]}
             return self._keyed(request.override(**history), messages), None, None, None
-        # the documents of this call's tool result that went out in full after all
-        full = written.get(rid or "", [])
-        binding.pilot.note_restored(
-            binding.prepared, [ref.block.id for ref in binding.prepared.references if ref.text in full]
-        )
+        note_written(binding, written, rid)  # the documents of this call's tool result left in full
         segments, places = _segments(messages)
         binding = checked_for_sending(binding, segments)  # every reference resolvable in what is sent
         messages = _rebuilt(messages, segments, places)
@@ -213,6 +214,8 @@ class ContextPilotMiddleware(AgentMiddleware):
             )
         head = messages[0] if system else None
         overrides: dict[str, Any] = {"messages": messages[len(system) :], "model_settings": settings}
+        if provider == "anthropic":  # middleware inside this one may add markers after ours
+            overrides["model"] = limited(request.model)
         if isinstance(head, SystemMessage):
             overrides["system_message"] = head
         return request.override(**overrides), binding, provider, rid
@@ -306,53 +309,3 @@ class ContextPilotMiddleware(AgentMiddleware):
             raise
         self._report(binding, provider, response)
         return response
-
-
-def _written_out(prepared: PreparedRequest) -> tuple[str, list[list[Any]]]:
-    """A tool result's text with every document in full (what the agent's state keeps), and
-    where each document that an earlier turn carries sits in it: ``[reference text, start,
-    end, digest]``. With every such document replaced by its reference, the text is
-    ``prepared.render(include_question=False)``."""
-    templates = prepared.templates
-    pieces: list[str] = []
-    spans: list[list[Any]] = []
-    length = 0
-    parts = [
-        (prepared.rendered(part.block), part.text) if isinstance(part, Reference) else (prepared.rendered(part), None)
-        for part in prepared.sequence
-    ]
-    for text, reference in [*parts, *(((prepared.order_annotation, None),) if prepared.order_annotation else ())]:
-        length += len(templates.separator) if pieces else 0
-        if reference is not None:
-            spans.append([reference, length, length + len(text), content_id(text)])
-        pieces.append(text)
-        length += len(text)
-    return templates.separator.join(pieces), spans
-
-
-def _as_sent(messages: list[BaseMessage]) -> tuple[list[BaseMessage], dict[str, list[str]]]:
-    """The messages as they leave for the model: in each rewritten tool result, a document
-    that an earlier message *of these very messages* carries in full becomes its location
-    reference; any other stays in full. Returns copies where that changed a message, and
-    per tool result (its request id) the reference texts written out in full instead."""
-    out = list(messages)
-    written: dict[str, list[str]] = {}
-    before: list[str] = []  # the texts sent ahead of the message at hand
-    for index, message in enumerate(out):
-        spans = message.additional_kwargs.get(REFERENCES_KEY) if isinstance(message, ToolMessage) else None
-        content = message.content
-        if spans and isinstance(content, str):
-            pieces, cursor = [], 0
-            for reference, start, end, digest in sorted(spans, key=lambda span: span[1]):
-                target = content[start:end]
-                if start < cursor or content_id(target) != digest:  # the text was edited since: leave it
-                    continue
-                if any(target in text for text in before):
-                    pieces += [content[cursor:start], reference]
-                    cursor = end
-                else:
-                    written.setdefault(str(message.additional_kwargs.get(REQUEST_KEY)), []).append(reference)
-            if cursor:
-                out[index] = message.model_copy(update={"content": "".join([*pieces, content[cursor:]])})
-        before += _segments([out[index]])[0]
-    return out, written

@@ -140,7 +140,7 @@ def test_a_huge_error_body_is_not_read_whole(engine: str) -> None:
     started = time.monotonic()
     with pytest.raises(EngineHTTPError, match="HTTP 500"):
         OpenAICompatClient(engine + "/huge-error", pilot).chat(pilot.prepare(["x"], "q"))
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60  # far from the typical case; the bytes sent below are the point
     time.sleep(0.2)
     assert _Misbehaving.sent_bytes["/huge-error/v1/chat/completions"] < 50 * 1024 * 1024
 
@@ -156,7 +156,7 @@ def test_a_deadline_bounds_a_dripping_server(engine: str, use_async: bool) -> No
             asyncio.run(client.achat(prepared, stream=False))  # type: ignore[arg-type]
         else:
             client.chat(prepared, stream=False)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 3.5
+    assert time.monotonic() - started < 25  # the 1.5 s deadline, not the 50 s drip, ended it
     assert_forgotten(pilot)
     with pytest.raises(ValueError):
         OpenAICompatClient(engine, pilot, deadline=0)
@@ -184,3 +184,19 @@ def test_cancelling_achat_forgets_the_request(llama: LlamaServer) -> None:
     assert pilot.stats().live_requests == 0
     again = pilot.prepare(long_docs[:1], "q", conversation_id="c")
     assert [b.id for b in again.blocks] == ["d0"] and again.references == ()
+
+
+@pytest.mark.parametrize("setting", ["deadline", "timeout", "api_key", "extra_body"])
+def test_a_client_setting_given_to_a_call_is_refused_before_anything_is_sent(setting: str) -> None:
+    """Keyword arguments of a call are body fields; the client's own settings there would
+    be sent to the engine: refused (no connection is tried: the URL is unreachable)."""
+    pilot = ContextPilot()
+    prepared = pilot.prepare([Block(id="a", text="alpha beta")], "q")
+    with OpenAICompatClient("http://127.0.0.1:9", pilot) as client:
+        with pytest.raises(TypeError, match=f"{setting}: a setting of OpenAICompatClient"):
+            client.chat(prepared, **{setting: 2})
+        with pytest.raises(TypeError, match=setting):
+            asyncio.run(client.achat(prepared, **{setting: 2}))
+        with pytest.raises(TypeError, match=setting):
+            client.send_messages([{"role": "user", "content": "q"}], **{setting: 2})
+    assert pilot.live_request_ids() == [prepared.request_id]  # the call that raised changed nothing

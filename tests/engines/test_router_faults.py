@@ -352,11 +352,11 @@ def test_a_slow_answer_keeps_the_replica_and_its_predictions(fresh: list[Replica
         assert chat("q0").target.name == "A"
         prefix = [block.id for block in shared]
         assert router.pilot("A").predicted_cached_blocks(prefix) == 3
-        a.mode, a.delay = "slow", 1.0
+        a.mode, a.delay = "slow", 20.0
         started = time.monotonic()
         with pytest.raises(EngineTimeout):
             chat("slow")
-        assert time.monotonic() - started < 0.9  # the deadline, not the slow answer, ended it
+        assert time.monotonic() - started < 10.0  # the deadline, not the slow answer, ended it
         assert not router.is_down("A") and router.pilot("A").predicted_cached_blocks(prefix) == 3
         assert b.bodies == []  # not resent elsewhere: the deadline was the caller's
         a.mode = "up"

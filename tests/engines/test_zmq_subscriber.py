@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from contextpilot_integrations.testing.llama_server import free_port
 from tests.sglang_support import block_workload, build_cache, import_sglang, layout, match_tokens, serve_tokens
 
 
-def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+def wait_until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -286,7 +287,7 @@ def test_a_restarted_engine_resets_the_index_and_its_new_stream_is_applied(ports
         publisher = ZmqEventPublisher(attn_dp_rank=0, bind=True, **where)
         time.sleep(0.5)  # the subscriber (re)connects
         publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # seq 0: AllBlocksCleared
-        wait_until(lambda: subscriber.snapshot().last_seq == 0, seconds=5)  # the old code: stays at 20
+        wait_until(lambda: subscriber.snapshot().last_seq == 0)  # the old code: stays at 20
         return cache, allocator, publisher
 
     def serve(cache: object, allocator: object, publisher: object, requests: int) -> None:
@@ -320,7 +321,7 @@ def test_a_restarted_engine_resets_the_index_and_its_new_stream_is_applied(ports
         old[2].shutdown()  # type: ignore[attr-defined]
         new = start_engine()
         serve(*new, requests=5)  # seqs 1..5 of the new engine
-        wait_until(lambda: subscriber.snapshot().batches == 27, seconds=5)
+        wait_until(lambda: subscriber.snapshot().batches == 27)
     finally:
         subscriber.stop()
         for engine in (old, new):
@@ -392,10 +393,10 @@ def test_deeply_nested_msgpack_is_malformed_and_resets(ports: tuple[int, int]) -
         wait_until(lambda: subscriber.snapshot().batches == 1)
         pilot.prepare(["alpha"], "q")
         pub.send_multipart([b"", (1).to_bytes(8, "big"), deep])
-        wait_until(lambda: subscriber.snapshot().malformed == 1, seconds=5)
+        wait_until(lambda: subscriber.snapshot().malformed == 1)
         assert pilot.stats().live_requests == 0 and sink.stats().index_resets == 1  # its events are lost
         pub.send_multipart([b"", (2).to_bytes(8, "big"), batch()])
-        wait_until(lambda: subscriber.snapshot().batches == 2, seconds=5)
+        wait_until(lambda: subscriber.snapshot().batches == 2)
     finally:
         subscriber.stop()
         pub.close(linger=0)
@@ -413,7 +414,7 @@ def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple
     hung = zmq.Context.instance().socket(zmq.ROUTER)  # takes the request, never answers
     hung.bind(f"tcp://127.0.0.1:{replay_port}")
     subscriber = ZmqEventSubscriber(
-        sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}", replay_timeout=8
+        sink, f"tcp://127.0.0.1:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}", replay_timeout=120
     )
     time.sleep(0.5)
     try:
@@ -428,7 +429,7 @@ def test_stop_interrupts_a_replay_wait_and_nothing_is_applied_after(ports: tuple
     finally:
         pub.close(linger=0)
         hung.close(linger=0)
-    assert took < 1.0, f"stop() took {took:.1f} s"
+    assert took < 30.0, f"stop() took {took:.1f} s"  # not the 120 s replay wait
     assert not subscriber._thread.is_alive()
     assert subscriber.snapshot().batches == 1 and subscriber.snapshot().last_seq == 0
     assert pilot.stats().live_requests == 1 and sink.stats().index_resets == 0
@@ -462,7 +463,7 @@ def test_a_first_batch_published_before_the_subscription_is_fetched(ports: tuple
     try:
         pilot.prepare(["alpha"], "q")
         publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        wait_until(lambda: subscriber.snapshot().last_seq == 1, seconds=5)
+        wait_until(lambda: subscriber.snapshot().last_seq == 1)
     finally:
         subscriber.stop()
         publisher.shutdown()
@@ -495,9 +496,9 @@ def test_heartbeat_fetches_a_lost_last_batch(ports: tuple[int, int]) -> None:
     try:
         for _ in range(3):
             publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)
+        wait_until(lambda: subscriber.snapshot().batches == 3)
         publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        wait_until(lambda: subscriber.snapshot().batches == 4, seconds=5)
+        wait_until(lambda: subscriber.snapshot().batches == 4)
     finally:
         subscriber.stop()
         dropper.close()
@@ -526,10 +527,10 @@ def test_a_batch_both_replayed_and_received_live_is_a_duplicate_not_a_restart(po
     try:
         for _ in range(3):
             publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        wait_until(lambda: subscriber.snapshot().batches == 3, seconds=5)  # 2 came from the replay
+        wait_until(lambda: subscriber.snapshot().batches == 3)  # 2 came from the replay
         pilot.prepare(["alpha"], "q")
         dropper.release()
-        wait_until(lambda: subscriber.snapshot().duplicates == 1, seconds=5)
+        wait_until(lambda: subscriber.snapshot().duplicates == 1)
     finally:
         subscriber.stop()
         dropper.close()
@@ -595,7 +596,7 @@ def test_a_batch_over_max_blocks_is_refused_before_the_sink_lock(ports: tuple[in
             time.sleep(0.005)
             assert sum(waits) < 30, "the batch was never handled"
         pub.send_multipart([b"", (2).to_bytes(8, "big"), batch()])
-        wait_until(lambda: subscriber.snapshot().batches == 2, seconds=5)
+        wait_until(lambda: subscriber.snapshot().batches == 2)
     finally:
         subscriber.stop()
         pub.close(linger=0)
@@ -610,3 +611,15 @@ def test_a_batch_over_max_blocks_is_refused_before_the_sink_lock(ports: tuple[in
     assert decode_zmq_batch(batch(at_bound), 0, "p").batch.block_count == MAX_BLOCKS  # the bound itself is fine
     with pytest.raises(ValueError, match="over 262,144"):
         decode_zmq_batch(batch([{"type": "BlockRemoved", "block_hashes": list(range(MAX_BLOCKS + 1))}]), 0, "p")
+
+
+def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``[engines]`` (pyzmq, msgspec): an error that says what to install."""
+    from contextpilot_integrations.engines import wire
+
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    with pytest.raises(ImportError, match=r"pip install 'contextpilot-integrations\[engines\]'"):
+        ZmqEventSubscriber(KvEventSink(ContextPilot()), "tcp://127.0.0.1:1")
+    monkeypatch.setitem(sys.modules, "msgspec", None)
+    with pytest.raises(ImportError, match=r"\[engines\]"):
+        wire.decode_zmq_batch(b"\x90", 0, "p")

@@ -156,7 +156,7 @@ def test_a_block_another_worker_sent_plain_counts_as_recurring() -> None:
 
 
 def entry_batch(*entries: list[object]) -> bytes:
-    return json.dumps({"v": 1, "o": "w", "n": 0, "e": list(entries)}).encode()
+    return json.dumps({"v": 2, "o": "w", "n": 0, "t": 1.0, "e": list(entries)}).encode()
 
 
 def test_a_batch_is_checked_whole_before_any_entry_is_applied() -> None:

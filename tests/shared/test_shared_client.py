@@ -52,6 +52,86 @@ def test_bad_shared_settings_are_refused_before_anything_starts() -> None:
         ContextPilot(shared=4222)
 
 
+def test_settings_that_cannot_work_are_refused_at_construction_with_the_reason() -> None:
+    """Issue 40, item 8: each of these was accepted; a worker then retried for ever (NATS
+    refuses a stream whose age is under its de-duplication window) or signed with a secret any
+    client of the broker could guess from one message."""
+    url = "nats://127.0.0.1:4222"
+    refused = {
+        "snapshot_interval": dict(max_age=60),  # the default interval, 60 s: entries gone before a snapshot
+        "too short": dict(max_age=30, snapshot_interval=0),
+        "finite number": dict(max_age=float("inf")),
+        "finite number ": dict(max_age=float("nan")),
+        "finite number  ": dict(snapshot_interval=-1),
+        "stream name": dict(stream="CONTEXT.PILOT"),
+        "stream name ": dict(stream="with space"),
+        "int of at least 1": dict(max_entries=True),
+        "at most 8 secrets": dict(secret=[f"secret number {n} of many" for n in range(9)]),
+    }
+    for reason, settings in refused.items():
+        with pytest.raises(SharedSettingsError, match=reason.strip()):
+            SharedOptions(url=url, **settings)  # type: ignore[arg-type]
+    for weak in ("x", "0", "0" * 32, "abababababababababab", b"fifteen bytes..", ["a strong enough secret", "x"]):
+        with pytest.raises(SharedSettingsError, match="too weak") as raised:
+            SharedOptions(url=url, secret=weak)
+        assert "fifteen" not in str(raised.value) and "abab" not in str(raised.value), "the secret is shown"
+    for empty in ([], (), [""]):
+        with pytest.raises(SharedSettingsError, match="set a secret"):
+            SharedOptions(url=url, secret=empty)
+    accepted = SharedOptions(url=url, max_age=60, snapshot_interval=30)  # the de-duplication window is cut to 60 s
+    assert accepted.max_age == 60
+
+
+@needs_broker
+def test_a_short_max_age_shares_and_a_stream_the_broker_refuses_is_reported_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 40, item 8: ``max_age=60`` (under NATS' 120 s de-duplication window) shares; a
+    stream the broker refuses (here: another stream already takes its subjects) is logged with
+    the broker's reason and reads ``shared_status="refused"``, not as a broker unreachable."""
+    import asyncio
+
+    import nats
+    from nats.js import api
+
+    caplog.set_level(logging.WARNING, logger="contextpilot_integrations.shared")
+    with NatsServer() as server:
+        options = SharedOptions(url=server.url, max_age=60, snapshot_interval=30)
+        first, second = ContextPilot(shared=options), ContextPilot(shared=options)
+        try:
+            assert first.shared.wait_caught_up(20.0) and second.shared.wait_caught_up(20.0)
+            first.prepare(BLOCKS, "q", request_id="short-lived")
+            assert first.shared.flush(20.0) and second.shared.wait_caught_up(20.0)
+            assert second.live_request_ids() == ["short-lived"]
+        finally:
+            for pilot in (first, second):
+                pilot.shared.close()
+
+        async def take_the_subjects() -> float:
+            nc = await nats.connect(server.url)
+            try:
+                js = nc.jetstream()
+                window = (await js.stream_info("CONTEXTPILOT")).config.duplicate_window
+                await js.add_stream(api.StreamConfig(name="SQUATTER", subjects=["contextpilot.elsewhere.>"]))
+                return float(window or 0)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(take_the_subjects()) == 60.0
+        blocked = ContextPilot(shared=SharedOptions(url=server.url, stream="ELSEWHERE", snapshot_interval=0))
+        try:
+            deadline = time.monotonic() + 20.0
+            while blocked.stats().shared_status != "refused" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert blocked.stats().shared_status == "refused" and blocked.stats().shared_connected is False
+            blocked.prepare(BLOCKS, "q", request_id="local")  # work goes on, on this worker's own view
+        finally:
+            blocked.shared.close(timeout=1.0)
+        said = [r.getMessage() for r in caplog.records]
+        assert [m for m in said if "refuses the stream ELSEWHERE" in m and "overlap" in m], said
+        assert not [m for m in said if "unreachable" in m], "a refusal reported as an unreachable broker"
+
+
 @needs_broker
 def test_broker_unreachable_work_goes_on_logs_once_and_converges_when_it_comes(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch

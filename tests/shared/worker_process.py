@@ -3,7 +3,7 @@
 The tests drive it over a pipe: ("prepare", first, count) sends requests of random blocks
 (ids ``w<n>-<i>``, a fixed seed per worker), ("evict", ids), ("truncate", id, n), ("reset",),
 ("state", timeout) answers with the index after catching up, ("stats",), ("flush", timeout),
-("exit",). Every answer is a tuple (ok, value).
+("exit",). A worker can run with its clock set wrong (``clock_offset``). Every answer is a tuple (ok, value).
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ def request_blocks(worker: int, index: int) -> list[dict[str, Any]]:
     return [{"id": b, "text": b, "tokens": 10} for b in rng.sample(BLOCKS, 5)]
 
 
-def run(worker: int, url: str, snapshot_interval: float, pipe: Connection) -> None:
+def run(worker: int, url: str, snapshot_interval: float, pipe: Connection, clock_offset: float = 0.0) -> None:
+    """``clock_offset``: seconds this process's wall clock is off (a machine set wrong)."""
+    if clock_offset:
+        import time
+
+        real = time.time
+        time.time = lambda: real() + clock_offset
     from contextpilot_integrations import ContextPilot
     from contextpilot_integrations.shared import SharedOptions
 

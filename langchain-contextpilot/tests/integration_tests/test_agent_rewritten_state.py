@@ -112,21 +112,21 @@ def test_with_every_earlier_document_sent_a_tool_result_is_what_the_pilot_prepar
     """The state keeps the text in full; the messages sent read exactly as prepared when the
     earlier result is among them, and in full when it is not."""
     from langchain_contextpilot._documents import to_blocks
-    from langchain_contextpilot.middleware import _as_sent, _written_out
+    from langchain_contextpilot._written import as_sent, written_out
 
     pilot = ContextPilot()
     first = pilot.prepare(to_blocks(RETRIEVER.invoke(QUERY)), QUERY, "c")
     second = pilot.prepare(to_blocks(RETRIEVER.invoke(RELATED)), RELATED, "c", kept_turns={first.turn or 0})
-    content, spans = _written_out(second)
+    content, spans = written_out(second)
     assert second.references and "Please refer to " not in content
     earlier = ToolMessage(content=first.render(include_question=False), tool_call_id="1")
     later = ToolMessage(
         content=content, tool_call_id="2", additional_kwargs={REFERENCES_KEY: spans, "contextpilot_request": "r2"}
     )
-    sent, written = _as_sent([earlier, later])
+    sent, written = as_sent([earlier, later])
     assert sent[1].content == second.render(include_question=False) and written == {}
     assert later.content == content  # the state's message is untouched
-    alone, written = _as_sent([later])
+    alone, written = as_sent([later])
     assert alone[0].content == content and written == {"r2": [reference.text for reference in second.references]}
     edited = later.model_copy(update={"content": "trimmed: " + content})  # edited since: sent as it is
-    assert _as_sent([earlier, edited])[0][1].content == edited.content
+    assert as_sent([earlier, edited])[0][1].content == edited.content

@@ -36,7 +36,7 @@ from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
 from langchain_contextpilot import ContextPilotChatModel, ContextPilotRetriever, ConversationalRAG, format_documents
-from langchain_contextpilot.middleware import ContextPilotMiddleware, WrappedModelWarning
+from langchain_contextpilot.middleware import ContextPilotMiddleware, MarkerLimitWarning, WrappedModelWarning
 from tests.integration_tests.test_agent_middleware import search, texts
 from tests.support import QUERY, BM25ChunkRetriever
 
@@ -199,6 +199,32 @@ def test_anthropic_prompt_caching_middleware_composes_with_ours() -> None:
         assert all(not dangling_references(texts(body)) for body in fake.requests)
         assert pilot.stats().blocks_referenced > 0  # ours still de-duplicates the tool results
         assert pilot.stats().provider_usage["anthropic"].cache_read_tokens > 0
+
+
+@pytest.mark.parametrize("system", [SYSTEM_TWO_PARTS, "You answer questions about the news."], ids=["caller's", "none"])
+def test_anthropic_prompt_caching_middleware_listed_after_ours_never_exceeds_the_limit(system: Any) -> None:
+    """The other order: AnthropicPromptCachingMiddleware runs inside ours and adds its
+    markers after ours counted. The limit is kept as the body is built (ours give way, with
+    a warning naming the order to use), so no call is refused."""
+    with fake_anthropic() as fake:
+        pilot = ContextPilot()
+        agent = create_agent(
+            anthropic(fake),
+            [search],
+            system_prompt=SystemMessage(system),  # type: ignore[arg-type]
+            middleware=[ContextPilotMiddleware(pilot=pilot), AnthropicPromptCachingMiddleware()],
+            checkpointer=InMemorySaver(),
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            completed = agent_turns(agent, QUESTIONS[:4])
+        counts = [markers(body) for body in fake.requests]
+        assert completed == 4 and max(counts) <= 4, f"markers per body: {counts}"
+        assert all(body.get("cache_control") and body["tools"][-1].get("cache_control") for body in fake.requests)
+        assert all(not dangling_references(texts(body)) for body in fake.requests)
+        assert pilot.stats().provider_usage["anthropic"].cache_read_tokens > 0
+        gave_way = [w for w in caught if issubclass(w.category, MarkerLimitWarning)]
+        assert gave_way and "list AnthropicPromptCachingMiddleware before" in str(gave_way[0].message)
 
 
 def test_a_wrapped_model_in_an_agent_is_named_with_the_fix() -> None:

@@ -56,3 +56,13 @@ def test_a_model_retrying_inside_a_call_is_refused_where_it_would_resend_the_id(
     assert ContextPilotChatModel(llm=retrying).engine is None  # no id in the body: its retries are its own
     once = ChatOpenAI(model="tiny", base_url=url, api_key="x", max_retries=0)
     assert ContextPilotChatModel(llm=once, engine="vllm").llm is once
+
+
+@pytest.mark.parametrize("name", ["server", "backend", "enigne"])
+def test_a_misplaced_or_misspelt_argument_is_refused_not_sent_in_the_body(name: str) -> None:
+    """ChatOpenAI moves an unknown name into ``model_kwargs``, which goes out in the request
+    body; ChatSGLang refuses it, naming the one it takes."""
+    with pytest.raises(ValueError, match=f"ChatSGLang got an unknown argument '{name}'") as caught:
+        ChatSGLang(model="tiny", base_url="http://127.0.0.1:9/v1", **{name: "vllm"})
+    assert "engine" in str(caught.value)
+    assert ChatSGLang(model="tiny", base_url="http://127.0.0.1:9/v1", engine="vllm").engine == "vllm"

@@ -97,3 +97,31 @@ def test_lcel_helpers() -> None:
     )
     assert [d.id for d in rotated] == [d.id for d in reversed_docs]  # onto the same prefix
     assert "priority order" in format_documents_runnable.invoke(rotated)
+
+
+def test_two_sources_of_one_chunk_both_come_back_and_the_text_goes_once() -> None:
+    """The same id and text with different metadata (two sources of one chunk): every
+    document is returned, the second marked ``duplicate_of``, and the prompt shows it once."""
+    from langchain_contextpilot import ContextPilotRetriever, format_documents
+
+    chunk = BM25ChunkRetriever(k=3).invoke(QUERY)
+    twice = [
+        chunk[0],
+        Document(page_content=chunk[0].page_content, id=chunk[0].id, metadata={"source": "mirror"}),
+        *chunk[1:],
+    ]
+    compressor = ContextPilotCompressor(pilot=ContextPilot())
+    out = compressor.compress_documents(twice, QUERY)
+    assert len(out) == 4 and sorted(d.metadata.get("source", "") for d in out) == ["", "", "", "mirror"]
+    mirror = next(d for d in out if d.metadata.get("source") == "mirror")
+    assert (
+        mirror.metadata["contextpilot"]["duplicate_of"] == out[out.index(mirror) - 1].metadata["contextpilot"]["label"]
+    )
+    assert format_documents(out).count(chunk[0].page_content) == 1
+
+    class Twice(BM25ChunkRetriever):
+        def _get_relevant_documents(self, query: str, *, run_manager: Any) -> list[Document]:
+            return twice
+
+    retrieved = ContextPilotRetriever(base_retriever=Twice(), pilot=ContextPilot()).invoke(QUERY)
+    assert len(retrieved) == 4 and format_documents(retrieved).count(chunk[0].page_content) == 1

@@ -79,3 +79,26 @@ def test_stream_and_batch_parity() -> None:
     assert model.texts()[-1].count("Please refer to ") == 2  # turn 0, in the history sent (the top in full)
     assert dangling_references(model.texts()) == []
     assert [a.content for a in rag.batch([QUERY, QUERY])] == ["ok", "ok"]
+
+
+def test_history_keeps_the_order_asked_when_the_pilot_starts_the_conversation_afresh() -> None:
+    """The pilot numbers a conversation it ended (``end_conversation``, its TTL or its bound)
+    from 0 again: the kept history stays in the order asked, and the turns the pilot forgot
+    are never referred to."""
+    model = Recorded()
+    pilot = ContextPilot(max_conversations=1)
+    rag = ConversationalRAG(retriever=BM25ChunkRetriever(k=3), llm=model.model, pilot=pilot, max_turns=3)
+    config: Any = {"configurable": {"thread_id": "t"}}
+    for question in ["first " + QUERY, "second " + QUERY, "third " + QUERY]:
+        rag.invoke(question, config=config)
+    pilot.end_conversation("t")
+    rag.invoke("fourth " + QUERY, config=config)
+    assert [user.split("Question: ")[-1].split()[0] for _, user, _ in rag.history("t")] == ["second", "third", "fourth"]
+    assert [number for number, _, _ in rag.history("t")] == [1, 2, 3]
+    assert "Please refer to" not in model.texts()[-1]  # the pilot forgot what the kept turns showed
+    rag.invoke(QUERY, config={"configurable": {"thread_id": "other"}})  # the pilot's bound drops "t"
+    rag.invoke("fifth " + QUERY, config=config)
+    assert [user.split("Question: ")[-1].split()[0] for _, user, _ in rag.history("t")] == ["third", "fourth", "fifth"]
+    rag.invoke("sixth " + QUERY, config=config)
+    sent = model.texts()
+    assert sent[-1].count("Please refer to") > 0 and dangling_references(sent) == []  # the fifth, known again

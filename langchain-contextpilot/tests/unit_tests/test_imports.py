@@ -27,3 +27,21 @@ def test_the_postprocessor_name_is_the_compressor() -> None:
 
     assert ContextPilotPostprocessor is ContextPilotCompressor
     assert issubclass(ContextPilotCompressor, BaseDocumentCompressor)
+
+
+def test_the_middleware_without_the_agents_extra_names_it() -> None:
+    """The base install has neither langchain nor langgraph: importing the middleware says
+    which extra brings them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['langchain.agents.middleware.types'] = None\n"
+        "try:\n    import langchain_contextpilot.middleware\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'langchain-contextpilot[agents]'" in out
+    import langchain_contextpilot  # the package itself never needs them
+
+    assert langchain_contextpilot.ContextPilotRetriever is not None

@@ -25,6 +25,10 @@ LABEL_KEY = "ref"
 since every node of every prompt carries it (``contextpilot_label`` cost 20 characters a node)."""
 FALLBACK_LABEL_KEY = "contextpilot_label"
 """Used instead where a node's own metadata already has :data:`LABEL_KEY`."""
+DUPLICATE_KEY = "duplicate_of"
+"""The metadata key that tells the LLM a node repeats the one before it (two sources of one chunk)."""
+FALLBACK_DUPLICATE_KEY = "contextpilot_duplicate_of"
+"""Used instead where a node's own metadata already has :data:`DUPLICATE_KEY`."""
 
 
 class ContextPilotEvent(BaseEvent):
@@ -80,26 +84,50 @@ def emit(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> None:
 
 def in_send_order(prepared: PreparedRequest, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
     """Copies of the nodes in the order the model reads them, labelled; originals (and the docstore) untouched.
+    A node given again under the same id and text (two sources of one chunk) follows its first
+    copy, showing the LLM its own metadata but not the text again (:func:`shown_once`).
     Blank nodes last, as given (no text: where they go changes nothing the LLM reads)."""
-    by_id = {item.node.node_id: item for item in nodes if not is_blank(item)}
+    by_id: dict[str, list[NodeWithScore]] = {}
+    for item in nodes:
+        if not is_blank(item):
+            by_id.setdefault(item.node.node_id, []).append(item)
     out = []
     for part in prepared.sequence:  # as the model reads them
         block = part.block if isinstance(part, Reference) else part
-        item = by_id[block.id]
-        if not prepared.labels:  # sent as without ContextPilot: the node as retrieved
-            out.append(item)
-            continue
-        node = item.node.model_copy(deep=False)
-        key = FALLBACK_LABEL_KEY if LABEL_KEY in item.node.metadata else LABEL_KEY
-        node.metadata = {**item.node.metadata, key: block.label}
-        node.excluded_embed_metadata_keys = [*item.node.excluded_embed_metadata_keys, key]
-        out.append(NodeWithScore(node=node, score=item.score))
+        first, *again = by_id[block.id]
+        label = block.label if prepared.labels else None
+        if label is None:  # sent as without ContextPilot: the node as retrieved
+            out.append(first)
+        else:
+            node = first.node.model_copy(deep=False)
+            key = FALLBACK_LABEL_KEY if LABEL_KEY in first.node.metadata else LABEL_KEY
+            node.metadata = {**first.node.metadata, key: label}
+            node.excluded_embed_metadata_keys = [*first.node.excluded_embed_metadata_keys, key]
+            out.append(NodeWithScore(node=node, score=first.score))
+        out += [shown_once(item, label) for item in again]
     return out + [item for item in nodes if is_blank(item)]
+
+
+def shown_once(item: NodeWithScore, label: str | None) -> NodeWithScore:
+    """A copy of a second source of a node shown just before it: the synthesizer renders its
+    metadata and :data:`DUPLICATE_KEY` (the first copy's label, or "above") but not the text,
+    which the prompt carries already. The text stays in the node for the caller."""
+    node = item.node
+    if "text_template" not in type(node).model_fields:  # a node type we cannot render without its text
+        return item
+    key = FALLBACK_DUPLICATE_KEY if DUPLICATE_KEY in node.metadata else DUPLICATE_KEY
+    copy = node.model_copy(deep=False)
+    copy.metadata = {**node.metadata, key: label or "above"}
+    copy.excluded_llm_metadata_keys = [name for name in node.excluded_llm_metadata_keys if name != key]
+    copy.excluded_embed_metadata_keys = [*node.excluded_embed_metadata_keys, key]
+    copy.text_template = "{metadata_str}"  # type: ignore[attr-defined]
+    return NodeWithScore(node=copy, score=item.score)
 
 
 class ContextPilotPostprocessor(BaseNodePostprocessor):
     """Reorders retrieved nodes so shared ones form a common prefix (drop-in like
-    ``LongContextReorder``); scores and metadata kept, no node dropped.
+    ``LongContextReorder``); scores and metadata kept, no node dropped (a second source of
+    a node comes back after the first, its text sent once: :func:`shown_once`).
 
     Each node comes back as a copy labelled :data:`LABEL_KEY` (``ref``; shown to the LLM, not
     embedded); when the order changed, the order annotation joins the query string, which

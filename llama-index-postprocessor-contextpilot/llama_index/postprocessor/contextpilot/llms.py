@@ -8,6 +8,7 @@ and other OpenAI-compatible engines (``llama-index-llms-sglang`` talks to
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -123,8 +124,8 @@ class ContextPilotLLM(_Reports, LLM):
       Anthropic ``cache_read_input_tokens``) go back to the request's pilot and into
       ``response.additional_kwargs["cached_tokens"]``; a failed call makes the pilot forget it.
 
-    An argument it does not know (a misspelt ``provder=``, or ``pilot=``, which belongs to
-    the postprocessor or chat engine) is refused.
+    An argument it does not know (a misspelt ``provder=``, ``server=`` for ``engine=``, or
+    ``pilot=``, which belongs to the postprocessor or chat engine) is refused.
     """
 
     llm: Any = Field(description="The LlamaIndex LLM that talks to the provider.")
@@ -140,10 +141,8 @@ class ContextPilotLLM(_Reports, LLM):
     """The OpenAI key each conversation was first sent under (its later turns keep it)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        known = {*type(self).model_fields, *(f.alias for f in type(self).model_fields.values() if f.alias)}
-        for name in kwargs:
-            if name not in known:
-                raise ValueError(_unknown_argument(type(self).__name__, name, sorted(type(self).model_fields)))
+        _refuse_unknown(type(self), kwargs, set(), "the wrapped llm's api_base")
+        _check_engine(kwargs.get("engine"))
         super().__init__(**kwargs)
         if not isinstance(self.llm, LLM):
             raise TypeError(f"llm must be a LlamaIndex LLM, got {type(self.llm).__name__}")
@@ -304,13 +303,29 @@ class ContextPilotLLM(_Reports, LLM):
         return self._astreamed(binding, stream)
 
 
-def _unknown_argument(cls: str, name: str, known: list[str]) -> str:
-    """Why ``name`` is refused, and what was probably meant."""
+def _refuse_unknown(cls: type[LLM], kwargs: dict[str, Any], parameters: set[str], where: str) -> None:
+    """Refuse a name that is neither a field nor one of ``parameters`` (pydantic would drop
+    it silently: ``engine="vllm"`` to a class that took another name sent SGLang's ids)."""
+    fields = cls.model_fields
+    known = {*fields, *(field.alias for field in fields.values() if field.alias), *parameters}
+    for name in kwargs:
+        if name not in known:
+            raise ValueError(_unknown_argument(cls.__name__, name, sorted(known), where))
+
+
+def _unknown_argument(cls: str, name: str, known: list[str], where: str) -> str:
+    """Why ``name`` is refused, and what was probably meant (``where``: the argument that says
+    where the engine is)."""
     pilot_hint = (
         "the component that prepares the request (ContextPilotPostprocessor, ContextPilotChatEngine); "
         "the LLM takes that request from its query"
     )
-    return unknown_argument(cls, name, known, pilot_hint)
+    return unknown_argument(cls, name, known, pilot_hint, where)
+
+
+def _check_engine(engine: object) -> None:
+    if engine is not None and engine not in wire.ENGINES:
+        raise ValueError(f"engine must be one of {list(wire.ENGINES)} or None, got {engine!r}")
 
 
 class SGLangLLM(_Reports, OpenAILike):
@@ -319,7 +334,7 @@ class SGLangLLM(_Reports, OpenAILike):
     Each call sends the request ContextPilot prepared for it (named by
     ``ContextPilotChatEngine``, or left by ``ContextPilotPostprocessor`` in the same query,
     as :class:`ContextPilotLLM` takes it), else a fresh id; it goes out as ``rid`` and
-    ``session_id`` (``server="vllm"``: ``request_id``); no retries inside a call (``max_retries=0``:
+    ``session_id`` (``engine="vllm"``: ``request_id``); no retries inside a call (``max_retries=0``:
     SGLang refuses a second request with the id of one still running). The server's cached tokens come back
     in ``response.additional_kwargs["cached_tokens"]`` and, with the token counts, to the
     request's pilot: its statistics, the prompt's token ids for ``event_sink`` (KV-event
@@ -333,7 +348,7 @@ class SGLangLLM(_Reports, OpenAILike):
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
-    server: str = "sglang"
+    engine: str | None = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
     slot: int | None = None
     """llama-server slot to pin (``id_slot``)."""
@@ -342,6 +357,8 @@ class SGLangLLM(_Reports, OpenAILike):
     was ordered for (``api_base`` is then unused); an unreachable target is routed around."""
 
     def __init__(self, **kwargs: Any) -> None:
+        _refuse_unknown(type(self), kwargs, _OPENAI_PARAMETERS, "api_base=")
+        _check_engine(kwargs.get("engine", "sglang"))
         # a local engine takes any key: "EMPTY" unless one is given (never OPENAI_API_KEY)
         if kwargs.get("api_key") is None:
             kwargs["api_key"] = os.environ.get("SGLANG_API_KEY") or "EMPTY"
@@ -363,19 +380,19 @@ class SGLangLLM(_Reports, OpenAILike):
     def _block_tokenizer(self) -> BlockTokenizer | None:
         """Block ends for ``event_sink`` (exact mapping): each distinct block tokenized once
         by the engine (SGLang, vLLM); called on the thread that finished the call."""
-        if self.server not in ("sglang", "vllm") or not self.api_base:
+        if self.engine not in ("sglang", "vllm") or not self.api_base:
             return None
         tokenizers: dict[str, BlockTokenizer] = self.__dict__.setdefault("_contextpilot_tokenizers", {})
         if self.api_base not in tokenizers:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            tokenizer = BlockTokenizer(self.api_base, self.server, model=self.model, headers=headers)
+            tokenizer = BlockTokenizer(self.api_base, self.engine, model=self.model, headers=headers)
             tokenizers.setdefault(self.api_base, tokenizer)
         return tokenizers[self.api_base]
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
         rid = kwargs.pop(_RID_KWARG, None) or _llm_calls.request_id(None)
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        extra = _llm_calls.id_fields(self.server, rid, model_kwargs.get("extra_body"), self.event_sink is not None)
+        extra = _llm_calls.id_fields(self.engine, rid, model_kwargs.get("extra_body"), self.event_sink is not None)
         if self.slot is not None:
             extra["id_slot"] = self.slot
         model_kwargs["extra_body"] = extra
@@ -392,16 +409,16 @@ class SGLangLLM(_Reports, OpenAILike):
 
     # ---- routing across targets ----------------------------------------------------------------
     def _delegate(self, target: Any) -> SGLangLLM:
-        """An LLM for one target (cached): this one's settings, that target's server."""
+        """An LLM for one target (cached): this one's settings, that target's engine."""
         delegates: dict[str, SGLangLLM] = self.__dict__.setdefault("_delegates", {})
         if target.name not in delegates:
-            skip = {"router", "api_base", "slot", "server", "callback_manager"}
+            skip = {"router", "api_base", "slot", "engine", "callback_manager"}
             settings = {name: getattr(self, name) for name in type(self).model_fields if name not in skip}
             delegates[target.name] = type(self)(
                 **settings,
                 api_base=target.base_url.rstrip("/") + "/v1",
                 slot=target.slot,
-                server=target.engine,
+                engine=target.engine,
                 http_client=self._http_client,  # the caller's connection pools (and hooks)
                 async_http_client=self._async_http_client,
             )
@@ -480,6 +497,11 @@ def _is_openai(llm: Any) -> bool:
         return False
     return isinstance(llm, OpenAI)
 
+
+_OPENAI_PARAMETERS = {
+    name for name in inspect.signature(OpenAILike.__init__).parameters if name not in ("self", "kwargs")
+}
+"""What ``OpenAILike`` takes besides its fields (its clients)."""
 
 _RID_KWARG = "_contextpilot_rid"
 """How a bound call hands its request id to ``_get_model_kwargs`` (never sent as a field)."""
