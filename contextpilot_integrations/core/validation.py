@@ -4,8 +4,10 @@ plans): one definition, so each refuses the same inputs with the same message.""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
+
+from pydantic import BaseModel
 
 from ..errors import BlockTypeError, InvalidBlockError
 
@@ -17,6 +19,7 @@ __all__ = [
     "check_query",
     "check_request_id",
     "retries_resend_ids",
+    "refuse_unknown",
     "unknown_argument",
 ]
 
@@ -81,6 +84,24 @@ def check_kept_turns(kept_turns: object) -> frozenset[int] | None:
         if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
             raise TypeError(f"kept_turns must hold turn numbers (ints >= 0), got {turn!r}")
     return frozenset(turns)
+
+
+def refuse_unknown(
+    owner: type[BaseModel],
+    given: Iterable[str],
+    pilot_hint: str,
+    *,
+    also: Collection[str] = (),
+    where: str = "base_url=",
+) -> None:
+    """Refuse, with :func:`unknown_argument`'s reason, a name given to the framework class
+    ``owner`` that is none of its fields (or their aliases) nor of ``also``: a framework that
+    keeps or forwards unknown names would drop them silently or send them to the engine."""
+    fields = owner.model_fields
+    known = {*fields, *(field.alias for field in fields.values() if field.alias), *also}
+    for name in given:
+        if name not in known:
+            raise ValueError(unknown_argument(owner.__name__, name, sorted(known), pilot_hint, where))
 
 
 _ENGINE_NAMES = ("server", "backend")

@@ -128,15 +128,15 @@ class Reports:
         if prepared.conversation_id is not None and prepared.turn is not None:
             self.conversations.carry(prepared.conversation_id, prepared.turn, restored, prepared.labels)
 
-    def sent_elsewhere(self, request_id: str, order: list[str], part: slice | None = None) -> object | None:
+    def sent_elsewhere(self, request_id: str, order: list[str], part: slice) -> object | None:
         """Another worker sent this request to the engine this pilot models: index it as if
         prepared here (no observer is told: the shared log is where it came from); ``part``:
-        only its first blocks now, the rest through :meth:`sent_more`. A request already live
-        keeps its place (``None``); else returns where its path ends."""
+        its first blocks, the rest through :meth:`sent_more`. A request already live keeps
+        its place (``None``); else returns where its path ends."""
         state = self.state
         if request_id in state.live or request_id in state.reserved:
             return None
-        head = order if part is None else order[part]
+        head = order[part]
         self.outlook.cooccurrence.record(key_blocks(head))
         state.learn(request_id, order, part)
         state.record(request_id, head, None)

@@ -121,13 +121,13 @@ class EngineState:
         )
         return adopted
 
-    def learn(self, rid: str, order: list[str], part: slice | None = None) -> None:
-        """Let the strategy learn a request it did not order (another worker's); ``part``: only
-        these of its blocks now (a long request entered in parts: the trie strategy counts
-        each part, the paper's tree learns the request whole with the first)."""
+    def learn(self, rid: str, order: list[str], part: slice) -> None:
+        """Let the strategy learn a request it did not order (another worker's), entered in
+        parts: ``part``, these of its blocks now (the trie strategy counts each part, the
+        paper's tree learns the request whole with the first)."""
         if self.strategy.name == "trie":  # it learns the blocks' popularity (no ordering needed)
-            self.strategy.commit(PlannedBatch([], []), [(rid, order if part is None else order[part])])
-        elif part is None or not part.start:
+            self.strategy.commit(PlannedBatch([], []), [(rid, order[part])])
+        elif not part.start:
             self.strategy.order(rid, order)  # the paper's tree learns the request
 
     def extend(self, rid: str, more: list[str], after: object) -> object | None:

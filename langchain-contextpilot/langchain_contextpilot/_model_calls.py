@@ -24,6 +24,7 @@ from contextpilot_integrations.pilot.binding import Binding, checked_for_sending
 
 from . import _binding
 from ._written import as_sent, newest_written, note_written
+from .cache_markers import _part_text
 
 BINDING_KWARG = "_contextpilot_binding"
 """A routed call names its request to the target's model explicitly."""
@@ -42,7 +43,16 @@ def bind(
     messages, written = as_sent(messages)  # documents kept in full in a graph's state: referred to here
     if binding is None:
         return None, messages
-    note_written(binding, written, newest_written(messages))
+    return sendable(binding, messages, written, newest_written(messages))
+
+
+def sendable(
+    binding: Binding, messages: list[BaseMessage], written: dict[str, list[str]], key: str | None
+) -> tuple[Binding, list[BaseMessage]]:
+    """Where messages leave (after :func:`~._written.as_sent`): the pilot told which of the
+    request's references went out in full (``key``: the request id its written message
+    records), every reference left resolvable, and the binding located in the messages."""
+    note_written(binding, written, key)
     segments, places = _segments(messages)
     binding = checked_for_sending(binding, segments)
     return binding, _rebuilt(messages, segments, places)
@@ -132,8 +142,8 @@ def _segments(messages: Sequence[BaseMessage]) -> tuple[list[str], list[tuple[in
             places.append((index, None))
             continue
         for part_index, part in enumerate(content):
-            text = part if isinstance(part, str) else part.get("text") if part.get("type") == "text" else None
-            if isinstance(text, str):
+            text = _part_text(part)
+            if text is not None:
                 segments.append(text)
                 places.append((index, part_index))
     return segments, places

@@ -19,6 +19,8 @@ from contextpilot_integrations import PreparedRequest, Reference, content_id
 from contextpilot_integrations.core.annotations import quote_status, reference_pattern
 from contextpilot_integrations.pilot.binding import Binding
 
+from .cache_markers import _part_text, _parts
+
 __all__ = ["REFERENCES_KEY", "REQUEST_KEY", "TURN_KEY", "as_sent", "newest_written", "note_written", "written_out"]
 
 TURN_KEY = "contextpilot_turn"
@@ -121,11 +123,4 @@ def _names_one(before: list[str], head: list[str], reference: str, rest: str) ->
 
 
 def _texts(message: BaseMessage) -> list[str]:
-    content = message.content
-    if isinstance(content, str):
-        return [content]
-    return [
-        part if isinstance(part, str) else part["text"]
-        for part in content
-        if isinstance(part, str) or (part.get("type") == "text" and isinstance(part.get("text"), str))
-    ]
+    return [text for part in _parts(message) if (text := _part_text(part)) is not None]

@@ -24,7 +24,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from contextpilot_integrations.core.validation import retries_resend_ids, unknown_argument
+from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
@@ -384,24 +384,17 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         )
 
 
+_PILOT_HINT = (
+    "the component that prepares the request (ContextPilotRetriever, ContextPilotCompressor, "
+    "ConversationalRAG, ContextPilotMiddleware); the model takes that request from its invocation"
+)
+
+
 def _known_only(cls: Any, values: Any) -> Any:
     """``values`` when every name is a field of ``cls`` (or its alias); else a clear refusal."""
     if isinstance(values, dict):
-        known = {*cls.model_fields, *(field.alias for field in cls.model_fields.values() if field.alias)}
-        for name in values:
-            if name not in known:
-                raise ValueError(_unknown_argument(cls, name))
+        refuse_unknown(cls, values, _PILOT_HINT)
     return values
-
-
-def _unknown_argument(cls: type, name: str) -> str:
-    """Why ``name`` is refused, and what was probably meant."""
-    known = sorted(cls.model_fields)  # type: ignore[attr-defined]
-    pilot_hint = (
-        "the component that prepares the request (ContextPilotRetriever, ContextPilotCompressor, "
-        "ConversationalRAG, ContextPilotMiddleware); the model takes that request from its invocation"
-    )
-    return unknown_argument(cls.__name__, name, known, pilot_hint)
 
 
 class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):

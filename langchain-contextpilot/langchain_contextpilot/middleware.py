@@ -43,14 +43,14 @@ from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
 from contextpilot_integrations.integration.implicit import own_pilot
-from contextpilot_integrations.pilot.binding import Binding, checked_for_sending, prepare_bound
+from contextpilot_integrations.pilot.binding import Binding, prepare_bound
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, is_blank, to_blocks
 from ._marker_limit import MarkerLimitWarning, limited
-from ._model_calls import _rebuilt, _segments
-from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, as_sent, note_written, written_out
+from ._model_calls import sendable
+from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, as_sent, written_out
 from .chat_models import ContextPilotChatModel
 
 __all__ = [
@@ -187,10 +187,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         if binding is None:
             history: dict[str, Any] = {"messages": messages[len(system) :]}
             return self._keyed(request.override(**history), messages), None, None, None
-        note_written(binding, written, rid)  # the documents of this call's tool result left in full
-        segments, places = _segments(messages)
-        binding = checked_for_sending(binding, segments)  # every reference resolvable in what is sent
-        messages = _rebuilt(messages, segments, places)
+        binding, messages = sendable(binding, messages, written, rid)  # rid: this call's tool result
         provider = self._resolve(request.model)
         settings = dict(request.model_settings)
         if provider is not None:

@@ -28,7 +28,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import LLM
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.core.validation import retries_resend_ids, unknown_argument
+from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
@@ -141,7 +141,7 @@ class ContextPilotLLM(_Reports, LLM):
     """The OpenAI key each conversation was first sent under (its later turns keep it)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _refuse_unknown(type(self), kwargs, set(), "the wrapped llm's api_base")
+        refuse_unknown(type(self), kwargs, _PILOT_HINT, where="the wrapped llm's api_base")
         _check_engine(kwargs.get("engine"))
         super().__init__(**kwargs)
         if not isinstance(self.llm, LLM):
@@ -303,24 +303,12 @@ class ContextPilotLLM(_Reports, LLM):
         return self._astreamed(binding, stream)
 
 
-def _refuse_unknown(cls: type[LLM], kwargs: dict[str, Any], parameters: set[str], where: str) -> None:
-    """Refuse a name that is neither a field nor one of ``parameters`` (pydantic would drop
-    it silently: ``engine="vllm"`` to a class that took another name sent SGLang's ids)."""
-    fields = cls.model_fields
-    known = {*fields, *(field.alias for field in fields.values() if field.alias), *parameters}
-    for name in kwargs:
-        if name not in known:
-            raise ValueError(_unknown_argument(cls.__name__, name, sorted(known), where))
-
-
-def _unknown_argument(cls: str, name: str, known: list[str], where: str) -> str:
-    """Why ``name`` is refused, and what was probably meant (``where``: the argument that says
-    where the engine is)."""
-    pilot_hint = (
-        "the component that prepares the request (ContextPilotPostprocessor, ContextPilotChatEngine); "
-        "the LLM takes that request from its query"
-    )
-    return unknown_argument(cls, name, known, pilot_hint, where)
+_PILOT_HINT = (
+    "the component that prepares the request (ContextPilotPostprocessor, ContextPilotChatEngine); "
+    "the LLM takes that request from its query"
+)
+"""Who takes ``pilot=`` (pydantic would drop an unknown name silently: ``engine="vllm"`` to a
+class that took another name sent SGLang's ids)."""
 
 
 def _check_engine(engine: object) -> None:
@@ -357,7 +345,7 @@ class SGLangLLM(_Reports, OpenAILike):
     was ordered for (``api_base`` is then unused); an unreachable target is routed around."""
 
     def __init__(self, **kwargs: Any) -> None:
-        _refuse_unknown(type(self), kwargs, _OPENAI_PARAMETERS, "api_base=")
+        refuse_unknown(type(self), kwargs, _PILOT_HINT, also=_OPENAI_PARAMETERS, where="api_base=")
         _check_engine(kwargs.get("engine", "sglang"))
         # a local engine takes any key: "EMPTY" unless one is given (never OPENAI_API_KEY)
         if kwargs.get("api_key") is None:
