@@ -8,6 +8,7 @@ Method: ContextPilot (MLSys 2026, "Fast Long-Context Inference via Context Reuse
 
 from .core.annotations import Templates, parse_order_annotation, render_block
 from .core.blocks import Block, content_id
+from .core.partitions import cache_partition, partition_of_body
 from .core.prepared import PreparedRequest, Reference
 from .errors import (
     BlockTypeError,
@@ -40,7 +41,9 @@ __all__ = [
     "Templates",
     "UnknownStrategyError",
     "__version__",
+    "cache_partition",
     "content_id",
     "parse_order_annotation",
+    "partition_of_body",
     "render_block",
 ]

@@ -68,15 +68,15 @@ def doc(name: str, tokens: int) -> Block:
 
 def test_short_blocks_go_out_as_without_contextpilot_turn_after_turn() -> None:
     """A reference is about as long as a 12-token chunk: de-duplicating it saves nothing,
-    so every turn is the plain prompt (a later turn's top block last, after its history)."""
+    so every turn is the plain prompt, in the retriever's order (a turn that refers to nothing
+    moves nothing: in a history cut to a window it would one day lead a prompt itself)."""
     pilot = ContextPilot()
     turns = [["a", "b", "c"], ["b", "c", "d"], ["c", "d", "a"]]
     for number, ids in enumerate(turns):
         blocks = [doc(name, 12) for name in ids]
         prepared = pilot.prepare(blocks, f"q{number}", conversation_id="c")
         assert prepared.turn == number and prepared.references == () and not prepared.labels
-        read = blocks[1:] + blocks[:1] if number else blocks
-        assert prepared.render() == "\n\n".join([*(b.text for b in read), f"Question: q{number}"])
+        assert prepared.render() == "\n\n".join([*(b.text for b in blocks), f"Question: q{number}"])
 
 
 def test_a_reference_quotes_the_plain_copy_in_its_blocks_place() -> None:
@@ -114,7 +114,7 @@ def test_blocks_that_begin_alike_are_quoted_only_by_words_that_tell_them_apart()
     alike = [Block(id=n, text="Table of Contents " * 20 + n + " x" * 400) for n in ("a", "b")]
     pilot.prepare(alike, "q", conversation_id="d")
     again = pilot.prepare(alike, "q", conversation_id="d")
-    assert again.references == () and [b.id for b in again.blocks] == ["b", "a"]  # the top one last
+    assert again.references == () and [b.id for b in again.blocks] == ["a", "b"]  # nothing referred to: as sent
     paper = ContextPilot(plain_prompts=False, keep_top=False)  # any repeat referred to, the top one too
     paper.prepare(twins, "q", conversation_id="c")
     again = paper.prepare(twins, "q", conversation_id="c")
@@ -176,9 +176,10 @@ def test_a_turn_never_costs_more_than_without_contextpilot_and_never_dangles(
                 estimate_tokens(r.text) for r in prepared.references
             )
             assert size <= sum(b.token_count for b in blocks)
-            read = [*blocks[1:], blocks[0]]  # after the history, the top block last
+            # a turn that refers to nothing is the prompt without ContextPilot (the top moves
+            # last only in a turn that refers back, after a whole history)
             assert prepared.references or prepared.render() == "\n\n".join(
-                [*(b.text for b in read), f"Question: q{number}"]
+                [*(b.text for b in blocks), f"Question: q{number}"]
             )
         sent = history[2 * kept[0] :] if kept else []
         messages = prepared.to_messages(history=sent)

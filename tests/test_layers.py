@@ -24,8 +24,8 @@ PUBLIC_MEMBERS = {
     "add_observer", "adopt", "aplan", "aprepare", "check", "conversation_usage", "discard", "end_conversation",
     "evict", "index_nodes", "live_orders", "live_request_ids", "note_cache_plan", "note_restored", "observe_cached",
     "plan", "predicted_cached_blocks", "prepare", "record_provider_usage", "record_sent", "record_usage",
-    "remove_observer", "reset", "restore", "reusable_tokens", "shared_depths", "stats", "strategy", "truncate",
-    "unshared",
+    "remove_observer", "repartition", "reset", "restore", "reusable_tokens", "shared_depths", "stats", "strategy",
+    "truncate", "unshared",
 }  # fmt: skip
 
 

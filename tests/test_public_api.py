@@ -34,8 +34,10 @@ EXPECTED_ALL = [
     "Templates",
     "UnknownStrategyError",
     "__version__",
+    "cache_partition",
     "content_id",
     "parse_order_annotation",
+    "partition_of_body",
     "render_block",
 ]
 

@@ -77,4 +77,5 @@ def test_whatever_the_traffic_the_top_block_is_read_where_it_reads_best_and_noth
         assert sorted(sent + referred) == sorted(b.id for b in ranked)  # a permutation, references included
         assert ranked[0].id not in referred
         read = [p.block.id if hasattr(p, "block") else p.id for p in prepared.sequence]
-        assert read[-1 if conversation and number else 0] == ranked[0].id
+        # last after a whole history in a turn that refers back; else first, as without ContextPilot
+        assert read[-1 if prepared.turn and referred else 0] == ranked[0].id

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from .annotations import Templates, render_order, render_position_order
@@ -47,6 +47,7 @@ from .prepared import PreparedRequest
 __all__ = [
     "FORMS",
     "LABELLED",
+    "PARTITIONED",
     "Balance",
     "Chance",
     "Choice",
@@ -58,6 +59,7 @@ __all__ = [
     "block_key",
     "choose_order",
     "estimate_tokens",
+    "in_partition",
     "index_keys",
     "key_block",
     "label_tokens",
@@ -191,17 +193,20 @@ def labelled_key(block_id: str) -> str:
 
 
 def key_block(key: str) -> str:
-    """The block id of an index key (the inverse of :func:`block_key` and :func:`labelled_key`)."""
+    """The block id of an index key (the inverse of :func:`block_key`, :func:`labelled_key`
+    and :func:`in_partition`)."""
+    if key.startswith(PARTITIONED):
+        key = key[key.index("\x00", len(PARTITIONED)) + 1 :]
     if key.startswith(LABELLED):
         return key[len(LABELLED) :]
     return key[1:] if key.startswith("\x00") else key
 
 
-def plain_keys(order: Sequence[str]) -> list[str]:
-    """Index keys of blocks sent as their text alone."""
+def plain_keys(order: Sequence[str], partition: str | None = None) -> list[str]:
+    """Index keys of blocks sent as their text alone (in ``partition``: see :func:`in_partition`)."""
     if "\x00" not in "".join(order):  # the usual case, checked in C
-        return list(order)
-    return [block_key(key) for key in order]
+        return in_partition(order, partition)
+    return in_partition([block_key(key) for key in order], partition)
 
 
 def key_blocks(keys: Sequence[str]) -> list[str]:
@@ -211,14 +216,25 @@ def key_blocks(keys: Sequence[str]) -> list[str]:
     return [key_block(key) for key in keys]
 
 
-def labelled_keys(order: Sequence[str]) -> list[str]:
-    return [LABELLED + key for key in order]
+def labelled_keys(order: Sequence[str], partition: str | None = None) -> list[str]:
+    return in_partition([LABELLED + key for key in order], partition)
+
+
+def in_partition(keys: Sequence[str], partition: str | None) -> list[str]:
+    """Index keys within a cache partition (:mod:`.partitions`): keys of one partition are
+    never a prefix of another's, so no hit is ever predicted across partitions, in the
+    index, the strategy's counts, the router's choice or the shared log. ``None``: the
+    engine's default partition, keys unchanged."""
+    if partition is None:
+        return list(keys)
+    head = f"{PARTITIONED}{partition}\x00"
+    return [head + key for key in keys]
 
 
 def index_keys(prepared: PreparedRequest) -> list[str]:
-    """A request's send order as the index keys it (labelled blocks apart)."""
+    """A request's send order as the index keys it (labelled blocks apart, in its partition)."""
     order = [block.id for block in prepared.blocks]
-    return labelled_keys(order) if prepared.labels else plain_keys(order)
+    return labelled_keys(order, prepared.partition) if prepared.labels else plain_keys(order, prepared.partition)
 
 
 def choose_order(
@@ -305,7 +321,7 @@ def choose_order(
     base = candidates[0][2]  # what the retriever's order reuses now, as it would go out
     if choice is not candidates[0][3]:
         now_value += margin  # a margin for the worst case, not tokens spent
-    return replace(choice, bought=now_value - kept * base)
+    return Choice(choice.order, choice.labels, choice.cached, now_value - kept * base)  # not replace(): a hot path
 
 
 def page_margin(page_tokens: int) -> int:
@@ -438,6 +454,10 @@ class Retention:
 
 LABELLED = "\x00labelled:"
 """Prefix of the index keys of labelled blocks (:func:`labelled_key`)."""
+
+PARTITIONED = "\x00partition:"
+"""Prefix of the index keys of a cache partition's blocks (:func:`in_partition`), before
+the partition's name and a NUL (a partition name holds no control character)."""
 
 
 def _never(_previous: str | None, _key: str) -> float:

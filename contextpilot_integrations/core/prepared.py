@@ -87,6 +87,9 @@ class PreparedRequest:
     top_last: bool = False
     """The retriever's top block goes last, right before the question (a conversation's later
     turn, after its history: where a model reads it best, :mod:`.reading`)."""
+    partition: str | None = None
+    """The engine's cache partition it is sent in (:mod:`.partitions`: a tenant's
+    ``cache_salt``, a LoRA adapter); ``None``: the engine's default one."""
 
     @property
     def order_annotation(self) -> str:

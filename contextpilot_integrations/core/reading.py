@@ -16,7 +16,11 @@ A prompt sent without ContextPilot puts the retriever's best block first. So, by
 
 - goes first in a prompt of its own (a single-shot request, a conversation's first turn):
   the prefix it shares with other requests starts with it (:func:`top_first`);
-- goes last, right before the question, in a turn that follows its history;
+- goes last, right before the question, in a turn that follows its whole history and refers
+  back to it (a location reference in its place); a turn that refers to nothing is the prompt
+  without ContextPilot, top block first: so is a turn after a history cut to a window that
+  left the first turn, since such a turn will one day lead a prompt itself, where a block
+  moved away from the head would share less with other prompts;
 - is never replaced by a location reference: it goes out in full.
 """
 

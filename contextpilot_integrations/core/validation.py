@@ -45,6 +45,23 @@ def check_conversation_id(conversation_id: object) -> None:
         raise TypeError(f"conversation_id must be a non-empty str or None, got {conversation_id!r}")
 
 
+MAX_PARTITION_CHARS = 256
+
+
+def check_partition(partition: object) -> None:
+    """A cache partition's name (:mod:`.partitions`): ``None``, or a non-empty str of at
+    most :data:`MAX_PARTITION_CHARS` printable characters (no control character: the index
+    keys end the name with a NUL)."""
+    if partition is None:
+        return
+    if not isinstance(partition, str) or not partition:
+        raise TypeError(f"partition must be a non-empty str or None, got {partition!r}")
+    if len(partition) > MAX_PARTITION_CHARS or not partition.isprintable():
+        raise ValueError(
+            f"partition must be at most {MAX_PARTITION_CHARS} printable characters, got {partition[:40]!r}"
+        )
+
+
 def check_request_id(request_id: object) -> None:
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")

@@ -6,12 +6,14 @@ tokens, and keep the index true from the engine's KV-cache events.
 - :class:`ZmqEventSubscriber`: follows a stock SGLang or vLLM KV-event socket (no plugin);
 - :class:`KvEventSink`: applies event batches from any transport to a pilot;
 - :class:`EngineTokenCounter`: counts tokens with the engine's own ``/tokenize``;
+- :func:`read_engine_info` / :func:`learn_engine`: the engine's page, KV pool and tokenizer, for a pilot;
 - :class:`EngineBlockMap`: engine block hashes <-> our request ids;
 - :mod:`.wire`: the engines' formats; :mod:`.sglang_plugin`: the publisher loaded in SGLang.
 """
 
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from .client import ChatResult, OpenAICompatClient, redact_url
+from .engine_info import EngineInfo, learn_engine, read_engine_info
 from .kv_mapping import EngineBlockMap
 from .listener import EvictionListener
 from .router import CacheAwarePolicy, Routed, RoutedResult, Router, RoutingClient, Target, TargetStats
@@ -25,6 +27,7 @@ __all__ = [
     "REQUEST_ID_FIELDS",
     "ChatResult",
     "EngineBlockMap",
+    "EngineInfo",
     "EngineError",
     "EngineHTTPError",
     "EngineTimeout",
@@ -44,6 +47,8 @@ __all__ = [
     "Target",
     "TargetStats",
     "ZmqEventSubscriber",
+    "learn_engine",
+    "read_engine_info",
     "redact_url",
     "subscribe_ranks",
 ]

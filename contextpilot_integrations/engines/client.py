@@ -20,7 +20,6 @@ import math
 import re
 import threading
 import time
-import urllib.parse
 import uuid
 import weakref
 from collections import OrderedDict
@@ -31,13 +30,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import httpx
 
 from ..core.annotations import render_block
+from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
+from ..pilot.telemetry import record_model_call
 from . import wire
 from .deadline import deadline, deadline_transport, time_left
+from .engine_info import DISCOVERY_TIMEOUT, EngineInfo, alearn_engine, learn_engine
 from .feedback import estimate_prompt_tokens, report_failed, report_served
 from .kv_mapping import block_token_ends
+from .tokens import redact_url  # re-exported: imported from here too
 
 if TYPE_CHECKING:
     from .listener import EvictionListener
@@ -94,16 +97,6 @@ class _Parsed:
     input_ids: list[int] | None
     answer_id: str | None = None
     prompt_ms: float | None = None
-
-
-def redact_url(url: str) -> str:
-    """A URL fit for messages and logs: no user, password or query string."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class _Reader:
@@ -369,6 +362,7 @@ _CLIENT_SETTINGS = frozenset(
         "usage_feedback",
         "pilot",
         "max_response_bytes",
+        "discover",
     }
 )
 """The client's own settings: given to a call, they would be sent inside the body."""
@@ -406,6 +400,14 @@ class OpenAICompatClient:
         usage_feedback: compare each answer's cached tokens with the prediction and drop
             what the engine no longer had (:meth:`ContextPilot.observe_cached`). Default:
             on without a listener (llama.cpp, hosted APIs), off with one (events are exact).
+        discover: before its first request, read the engine's page size, KV pool and
+            tokenizer and give the pilot those its user left unset (once per engine and
+            pilot, at most :data:`~.engine_info.DISCOVERY_TIMEOUT` seconds before the
+            request is sent, half the time left within an outer deadline; an engine that
+            does not say leaves the estimates, logged once; see :mod:`.engine_info`).
+            Default: on for SGLang, vLLM and llama.cpp, unless
+            ``CONTEXTPILOT_DISCOVER_ENGINE=0``; ``engine="openai"`` only with ``True``;
+            ``False``: never.
     """
 
     MAX_ERROR_BYTES = 64 * 1024
@@ -425,6 +427,7 @@ class OpenAICompatClient:
         extra_body: dict[str, Any] | None = None,
         listener: EvictionListener | KvEventSink | None = None,
         usage_feedback: bool | None = None,
+        discover: bool | None = None,
     ) -> None:
         if engine not in wire.ENGINES:
             raise ValueError(f"engine must be one of {', '.join(wire.ENGINES)}, got {engine!r}")
@@ -451,6 +454,7 @@ class OpenAICompatClient:
             for name, value in wire.PROMPT_IDS_REQUEST[engine].items():
                 self.extra_body.setdefault(name, value)
         self.usage_feedback = self.tracker is None if usage_feedback is None else usage_feedback
+        self.discover = discover
         # one pooled connection for sync calls (thread-safe); async calls open their own,
         # since an async client belongs to one event loop
         self._http = httpx.Client(timeout=self._timeout(), headers=self._headers, transport=deadline_transport())
@@ -458,6 +462,39 @@ class OpenAICompatClient:
     def close(self) -> None:
         """Close the pooled connection."""
         self._http.close()
+
+    def learn_engine(self) -> EngineInfo | None:
+        """Read the engine's page size, KV pool and tokenizer for the pilot now (what its user
+        left unset), as the first :meth:`chat` would: once, within
+        :data:`~.engine_info.DISCOVERY_TIMEOUT` seconds, never raising for the engine.
+        Returns what was read, or ``None`` (``discover`` off, read before, or nothing unset)."""
+        budget = _discovery_budget()
+        if budget is None:
+            return None
+        return learn_engine(
+            self.pilot,
+            self.base_url,
+            engine=self.engine,
+            model=self.model,
+            headers=self._headers,
+            discover=self.discover,
+            timeout=budget,
+        )
+
+    async def alearn_engine(self) -> EngineInfo | None:
+        """Async variant of :meth:`learn_engine`."""
+        budget = _discovery_budget()
+        if budget is None:
+            return None
+        return await alearn_engine(
+            self.pilot,
+            self.base_url,
+            engine=self.engine,
+            model=self.model,
+            headers=self._headers,
+            discover=self.discover,
+            timeout=budget,
+        )
 
     def __enter__(self) -> OpenAICompatClient:
         return self
@@ -479,6 +516,14 @@ class OpenAICompatClient:
         reference whose block it does not carry goes out as the block's text)."""
         messages: list[dict[str, Any]] = list(prepared.to_messages(system_prompt, history or ()))
         return self._body(messages, prepared.request_id, stream, params)
+
+    def _partitioned(self, prepared: PreparedRequest, body: dict[str, Any]) -> PreparedRequest:
+        """The request indexed in the cache partition its body names (``cache_salt``, ``extra_key``,
+        ``lora_path``), where that is not the one it was prepared in."""
+        partition = partition_of_body(body)
+        if partition is None or partition == prepared.partition or self.pilot is None:
+            return prepared
+        return self.pilot.repartition(prepared, partition)
 
     def _body(
         self, messages: list[dict[str, Any]], request_id: str, stream: bool, params: dict[str, Any]
@@ -517,6 +562,13 @@ class OpenAICompatClient:
                 in full; the pilot has forgotten it.
         """
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
+        if self.discover is not False and self.pilot is not None:  # once: the page and tokenizer, off the lock
+            try:
+                self.learn_engine()
+            except BaseException:  # interrupted while reading: the request never left
+                self._forget(prepared)
+                raise
+        prepared = self._partitioned(prepared, body)
         start = time.perf_counter()
         before = _before_tokens(system_prompt, history)
         try:
@@ -587,6 +639,13 @@ class OpenAICompatClient:
     ) -> ChatResult:
         """Async variant of :meth:`chat`; cancelling it forgets the request too."""
         body = self.body(prepared, system_prompt=system_prompt, history=history, stream=stream, **params)
+        if self.discover is not False and self.pilot is not None:
+            try:
+                await self.alearn_engine()
+            except BaseException:  # cancelled while reading: the request never left
+                self._forget(prepared)
+                raise
+        prepared = self._partitioned(prepared, body)
         start = time.perf_counter()
         before = _before_tokens(system_prompt, history)
         try:
@@ -673,6 +732,14 @@ class OpenAICompatClient:
             input_ids=parsed.input_ids,
             block_ends=block_ends,
         )
+        record_model_call(  # an OpenTelemetry span with the usage (the [otel] extra; else nothing)
+            prepared,
+            model=self.model,
+            provider=self.engine,
+            input_tokens=result.prompt_tokens,
+            output_tokens=result.completion_tokens,
+            cache_read_tokens=result.cached_tokens,
+        )
         return result
 
     def _unavailable(self, exc: BaseException) -> EngineUnavailable:
@@ -690,6 +757,15 @@ class OpenAICompatClient:
 @runtime_checkable
 class _HasSink(Protocol):
     sink: KvEventSink
+
+
+def _discovery_budget() -> float | None:
+    """Seconds reading the engine may take: :data:`~.engine_info.DISCOVERY_TIMEOUT`, at most
+    half the time an outer deadline leaves (``None``: too little left, not now)."""
+    left = time_left()
+    if left is None:
+        return DISCOVERY_TIMEOUT
+    return min(DISCOVERY_TIMEOUT, left / 2) if left > 0.05 else None
 
 
 def _before_tokens(system_prompt: str | None, history: list[dict[str, str]] | None) -> int:

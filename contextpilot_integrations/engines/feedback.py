@@ -50,6 +50,7 @@ class EventTracker(Protocol):
         token_ids: Sequence[int],
         block_ends: Sequence[int] | None = None,
         cached_tokens: int | None = None,
+        partition: str | None = None,
     ) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
@@ -113,7 +114,7 @@ def report_served(
     Counts the engine got wrong (not ints, out of range, more cached than prompt tokens)
     are not reported: the call itself succeeded, so a warning is logged (once) instead."""
     if tracker is not None and input_ids:
-        tracker.track(prepared.request_id, input_ids, block_ends, cached_tokens)
+        tracker.track(prepared.request_id, input_ids, block_ends, cached_tokens, partition=prepared.partition)
     if pilot is None:
         return 0
     try:

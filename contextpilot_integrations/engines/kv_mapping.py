@@ -44,9 +44,13 @@ _NO_PARENT = b"\x00"
 BlockHash = int | bytes  # SGLang: int64; vLLM: SHA-256 bytes (or uint64)
 
 
-def page_key(parent_hash: BlockHash | None, tokens: Sequence[int]) -> PageKey:
-    """The identity of a page in the engine's chain: its parent's hash and its tokens."""
-    if parent_hash is None:
+def page_key(parent_hash: BlockHash | None, tokens: Sequence[int], partition: str | None = None) -> PageKey:
+    """The identity of a page in the engine's chain: its parent's hash and its tokens; a
+    first page also its cache partition (:mod:`~..core.partitions`): two tenants' first
+    pages of the same tokens are two blocks at the engine (their hashes differ from there on)."""
+    if parent_hash is None and partition is not None:
+        head = _IN_PARTITION + hashlib.sha256(partition.encode()).digest()[:_PARTITION_DIGEST]
+    elif parent_hash is None:
         head = _NO_PARENT
     elif isinstance(parent_hash, bytes):
         head = b"\x03" + len(parent_hash).to_bytes(1, "little") + parent_hash
@@ -57,6 +61,9 @@ def page_key(parent_hash: BlockHash | None, tokens: Sequence[int]) -> PageKey:
     except OverflowError:  # token ids beyond 32 bits: a distinct, wider encoding
         return head + b"\x02" + array("q", tokens).tobytes()
 
+
+_IN_PARTITION = b"\x04"  # a first page in a cache partition, its name's digest next
+_PARTITION_DIGEST = 16
 
 _ANCHOR = b"\xffanchored:"  # prefix of a placeholder hash (a page the engine confirmed)
 
@@ -69,6 +76,8 @@ def _page_tokens(key: PageKey) -> bytes:
     """The token part of a page key (what an orphan block and a request's page share)."""
     if key[:1] == _NO_PARENT:
         return key[1:]
+    if key[:1] == _IN_PARTITION:
+        return key[1 + _PARTITION_DIGEST :]
     if key[:1] == b"\x03":
         return key[2 + key[1] :]
     return key[10:]
@@ -84,11 +93,12 @@ class _Block:
 
 
 class _Request:
-    __slots__ = ("block_ends", "chain", "tokens")
+    __slots__ = ("block_ends", "chain", "partition", "tokens")
 
-    def __init__(self, tokens: array[int], block_ends: tuple[int, ...] | None) -> None:
+    def __init__(self, tokens: array[int], block_ends: tuple[int, ...] | None, partition: str | None = None) -> None:
         self.tokens = tokens
         self.block_ends = block_ends  # token offset where each of our blocks ends
+        self.partition = partition  # the engine's cache partition it was sent in
         self.chain: list[BlockHash] = []  # engine block hashes of the cached prefix
 
 
@@ -169,8 +179,10 @@ class EngineBlockMap:
         token_ids: Sequence[int],
         block_ends: Sequence[int] | None = None,
         engine_cached: int | None = None,
+        partition: str | None = None,
     ) -> dict[str, int]:
-        """Record a request's prompt token ids (and where each of its blocks ends).
+        """Record a request's prompt token ids (and where each of its blocks ends), sent in
+        cache ``partition`` (its first page is that partition's).
 
         ``engine_cached``: the engine's own count of this prompt's tokens it served from
         its cache; pages it covers that the events never showed are anchored (see the
@@ -184,7 +196,7 @@ class EngineBlockMap:
         if engine_cached is not None and (isinstance(engine_cached, bool) or engine_cached < 0):
             raise ValueError("engine_cached must be a non-negative int")
         self.forget(request_id)
-        self._requests[request_id] = _Request(tokens, ends)
+        self._requests[request_id] = _Request(tokens, ends, partition)
         self._tracked_tokens += len(tokens)
         while len(self._requests) > 1 and (
             len(self._requests) > self.max_requests or self._tracked_tokens > self.max_tracked_tokens
@@ -238,8 +250,10 @@ class EngineBlockMap:
         token_ids: Sequence[int],
         block_size: int,
         medium: str | None = None,
+        partition: str | None = None,
     ) -> tuple[dict[str, int], dict[str, int]]:
-        """A ``BlockStored`` event (consecutive pages may be coalesced into one).
+        """A ``BlockStored`` event (consecutive pages may be coalesced into one), in the cache
+        ``partition`` it names (for a first page: the engine hashes the partition into it).
 
         Returns ({request id: prompt tokens now cached} for the requests whose cached
         prefix grew, which happens when blocks come back after an eviction;
@@ -256,7 +270,7 @@ class EngineBlockMap:
         for i, block_hash in enumerate(block_hashes):
             block = self._blocks.get(block_hash)
             if block is None:
-                key = page_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+                key = page_key(parent, token_ids[i * block_size : (i + 1) * block_size], partition)
                 orphan = parent is not None and parent not in self._blocks
                 block = self._blocks[block_hash] = _Block(key, tier, orphan)
                 self._by_key[key] = block_hash
@@ -420,7 +434,7 @@ class EngineBlockMap:
         if start + size > len(request.tokens):
             return None
         parent = request.chain[-1] if request.chain else None
-        return page_key(parent, request.tokens[start : start + size])
+        return page_key(parent, request.tokens[start : start + size], request.partition)
 
     def _extend(self, request_id: str) -> None:
         request = self._requests[request_id]

@@ -1,6 +1,9 @@
 """The HTTP callback server: SGLang's events (through our plugin) and ``/evict`` posts
 reach the :class:`~contextpilot_integrations.engines.sink.KvEventSink` of a pilot.
 
+It also answers ``GET /health``, ``GET /stats`` (JSON) and ``GET /metrics`` (the pilot's stats
+in Prometheus' text format, with the ``[metrics]`` extra), behind the same checks as the posts.
+
 SGLang (through our plugin, :mod:`.sglang_plugin`) POSTs its KV-cache event batches to
 ``/kv-events``; engines that only know request ids POST ``/evict``.
 
@@ -311,8 +314,20 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/stats":
             sink = self.server.sink
             self._reply(200, {"events": sink.stats().model_dump(), "pilot": sink.pilot.stats().model_dump()})
+        elif self.path == "/metrics":
+            self._metrics()
         else:
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+
+    def _metrics(self) -> None:
+        """The pilot's stats in Prometheus' text format (the ``[metrics]`` extra; 404 without it)."""
+        try:
+            from ..pilot.metrics import exposition  # prometheus_client: only when scraped
+        except ImportError:
+            self._reply(404, {"error": "GET /metrics needs prometheus-client: the [metrics] extra"})
+            return
+        body, content_type = exposition(self.server.sink.pilot.stats())
+        self._reply_bytes(200, body, content_type)
 
     def do_POST(self) -> None:
         if not self._admitted():
@@ -415,9 +430,11 @@ class _Handler(BaseHTTPRequestHandler):
             _linger(self.connection, self.server.max_body_bytes)
 
     def _reply(self, status: int, payload: dict[str, Any], close: bool = False) -> None:
-        data = json.dumps(payload, allow_nan=False).encode()
+        self._reply_bytes(status, json.dumps(payload, allow_nan=False).encode(), "application/json", close)
+
+    def _reply_bytes(self, status: int, data: bytes, content_type: str, close: bool = False) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if close:
             self.send_header("Connection", "close")

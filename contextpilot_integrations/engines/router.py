@@ -51,8 +51,16 @@ from pydantic import BaseModel
 
 from ..core.blocks import Block, BlockLike, normalize_blocks
 from ..core.conversations import ConversationStore
+from ..core.gain import in_partition
+from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest
-from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
+from ..core.validation import (
+    check_conversation_id,
+    check_kept_turns,
+    check_partition,
+    check_query,
+    check_request_id,
+)
 from ..errors import DuplicateRequestError, EngineError, EngineTimeout, EngineUnavailable
 from ..pilot import BatchItem, BatchRequest, ContextPilot, batch_request, join
 from ..pilot.ports import Broadcast
@@ -234,9 +242,11 @@ class _Draft:
     sticks: dict[str, str] = field(default_factory=dict)
     turned: int = 0
 
-    def add(self, target: Target, blocks: Sequence[Block], conversation_id: str | None) -> None:
+    def add(
+        self, target: Target, blocks: Sequence[Block], conversation_id: str | None, partition: str | None = None
+    ) -> None:
         self.pending[target.name] = self.pending.get(target.name, 0) + 1
-        self.pending_blocks.setdefault(target.name, set()).update(block.id for block in blocks)
+        self.pending_blocks.setdefault(target.name, set()).update(in_partition([b.id for b in blocks], partition))
         if conversation_id is not None:
             self.sticks[conversation_id] = target.name
 
@@ -446,24 +456,33 @@ class Router:
         exclude: Collection[str] = (),
         pending: dict[str, int] | None = None,
         pending_blocks: dict[str, set[str]] | None = None,
+        partition: str | None = None,
     ) -> tuple[Target, str]:
         """The target for these blocks, and why (see the module docstring); a conversation
         is then remembered on it.
 
         ``pending`` / ``pending_blocks``: requests (and their blocks) already routed to each
         target but not sent yet (a batch): load, and a prefix the batch plan will share.
+        ``partition``: the engines' cache partition the request goes to: only a prefix held
+        in it counts (:func:`~contextpilot_integrations.cache_partition`).
         """
         normalized, _ = normalize_blocks(blocks)
         check_conversation_id(conversation_id)
+        check_partition(partition)
         draft = _Draft(dict(pending or {}), {name: set(ids) for name, ids in (pending_blocks or {}).items()})
         with self._lock:
-            target, reason = self._decide(normalized, conversation_id, exclude, draft)
-            draft.add(target, normalized, conversation_id)
+            target, reason = self._decide(normalized, conversation_id, exclude, draft, partition)
+            draft.add(target, normalized, conversation_id, partition)
             self._record(draft)
         return target, reason
 
     def _decide(
-        self, blocks: Sequence[Block], conversation_id: str | None, exclude: Collection[str], draft: _Draft
+        self,
+        blocks: Sequence[Block],
+        conversation_id: str | None,
+        exclude: Collection[str],
+        draft: _Draft,
+        partition: str | None = None,
     ) -> tuple[Target, str]:
         """The decision, with the lock held; it records nothing (``draft`` counts the round-robin
         turn it takes)."""
@@ -489,10 +508,11 @@ class Router:
         policy = self.policy
         if busiest - idlest > policy.balance_abs_threshold and busiest > idlest * policy.balance_rel_threshold:
             return least, "balance"
-        reuse = {t.name: self._states[t.name].pilot.reusable_tokens(blocks) for t in candidates}
+        reuse = {t.name: self._states[t.name].pilot.reusable_tokens(blocks, partition) for t in candidates}
+        keys = in_partition([block.id for block in blocks], partition)
         for t in candidates:
             batch_blocks = draft.pending_blocks.get(t.name, set())
-            shared = sum(block.token_count for block in blocks if block.id in batch_blocks)
+            shared = sum(block.token_count for block, key in zip(blocks, keys, strict=True) if key in batch_blocks)
             reuse[t.name] = max(reuse[t.name], shared)
         best = max(candidates, key=lambda t: (reuse[t.name], -loads[t.name]))
         if size and reuse[best.name] >= policy.cache_threshold * size:
@@ -521,8 +541,10 @@ class Router:
         *,
         kept_turns: Collection[int] | None = None,
         exclude: Collection[str] = (),
+        partition: str | None = None,
     ) -> Routed:
-        """Choose a target and prepare the request with its predicted cache state.
+        """Choose a target and prepare the request with its predicted cache state (in the engines'
+        cache ``partition``: see :meth:`ContextPilot.prepare`).
 
         Raises:
             InvalidBlockError, BlockTypeError, TypeError: bad input; nothing is recorded then
@@ -531,15 +553,16 @@ class Router:
         normalized, _ = normalize_blocks(blocks)
         check_query(query)
         check_conversation_id(conversation_id)
+        check_partition(partition)
         kept = check_kept_turns(kept_turns)
         draft = _Draft()
         with self._lock:  # decide, prepare, record: one step (preparing takes microseconds)
-            target, reason = self._decide(normalized, conversation_id, exclude, draft)
+            target, reason = self._decide(normalized, conversation_id, exclude, draft, partition)
             pilot = self.pilot(target)
-            prepared = pilot.prepare(normalized, query, conversation_id, kept_turns=kept)
+            prepared = pilot.prepare(normalized, query, conversation_id, kept_turns=kept, partition=partition)
             if reason == "oversized":
                 pilot.evict([prepared.request_id])  # larger than the cache: cached nowhere
-            draft.add(target, normalized, conversation_id)
+            draft.add(target, normalized, conversation_id, partition)
             self._record(draft)
         return Routed(prepared, target, reason, kept)
 
@@ -551,9 +574,10 @@ class Router:
         *,
         kept_turns: Collection[int] | None = None,
         exclude: Collection[str] = (),
+        partition: str | None = None,
     ) -> Routed:
         """Async variant of :meth:`prepare` (it never blocks on I/O, so it runs inline)."""
-        return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, exclude=exclude)
+        return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, exclude=exclude, partition=partition)
 
     # ---- sending a prompt a framework already rendered -----------------------------------------
     def attempts(self, binding: Binding | None) -> list[Target]:
@@ -626,9 +650,9 @@ class Router:
         reasons: dict[int, str] = {}
         with self._lock:
             for index, item in enumerate(checked):
-                cid = item.request.conversation_id
-                target, reasons[index] = self._decide(item.blocks, cid, (), draft)
-                draft.add(target, item.blocks, cid)
+                cid, partition = item.request.conversation_id, item.request.partition
+                target, reasons[index] = self._decide(item.blocks, cid, (), draft, partition)
+                draft.add(target, item.blocks, cid, partition)
                 groups.setdefault(target.name, []).append(index)
         by_name = {t.name: t for t in self.targets}
         routed: list[Routed] = []
@@ -662,6 +686,7 @@ def _checked(item: Any, index: int) -> _Checked:
         blocks, _ = normalize_blocks(request.blocks)
         check_query(request.query)
         check_conversation_id(request.conversation_id)
+        check_partition(request.partition)
         kept = check_kept_turns(request.kept_turns)
         if request.request_id is not None:
             check_request_id(request.request_id)
@@ -715,6 +740,8 @@ class RoutingClient:
         api_key: for every target's client.
         sinks: per target name, the event sink (``listener.sink``) of that engine, if any;
             targets without one get usage feedback from their cached-token reports.
+        discover: each target's pilot reads its engine's page size, KV pool and tokenizer
+            before the first request there (see :mod:`.engine_info`; ``False``: never).
     """
 
     router: Router
@@ -723,6 +750,7 @@ class RoutingClient:
     deadline: float | None = None
     api_key: str | None = None
     sinks: dict[str, Any] = field(default_factory=dict)
+    discover: bool | None = None
 
     def __post_init__(self) -> None:
         self._clients = {
@@ -736,6 +764,7 @@ class RoutingClient:
                 engine=t.engine,
                 extra_body={"id_slot": t.slot} if t.slot is not None else None,
                 listener=self.sinks.get(t.name),
+                discover=self.discover,
             )
             for t in self.router.targets
         }
@@ -764,7 +793,9 @@ class RoutingClient:
     ) -> RoutedResult:
         """Prepare, route and send one request (``params`` go to :meth:`OpenAICompatClient.chat`,
         e.g. the ``history`` of the turns in ``kept_turns``)."""
-        return self.send(self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns), **params)
+        partition = partition_of_body(params)  # a cache_salt among the body fields: routed within its partition
+        routed = self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns, partition=partition)
+        return self.send(routed, **params)
 
     def send(self, routed: Routed, **params: Any) -> RoutedResult:
         """Send a routed request; on an unreachable target, prepare it again for another
@@ -792,7 +823,9 @@ class RoutingClient:
         **params: Any,
     ) -> RoutedResult:
         """Async variant of :meth:`chat`."""
-        return await self.asend(self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns), **params)
+        partition = partition_of_body(params)
+        routed = self.router.prepare(blocks, query, conversation_id, kept_turns=kept_turns, partition=partition)
+        return await self.asend(routed, **params)
 
     async def asend(self, routed: Routed, **params: Any) -> RoutedResult:
         """Async variant of :meth:`send`."""
@@ -824,6 +857,11 @@ class RoutingClient:
         conversation and ``kept_turns`` (the history the caller sends is the same)."""
         prepared = routed.prepared
         again = self.router.prepare(
-            prepared.ranking, prepared.query, prepared.conversation_id, kept_turns=routed.kept_turns, exclude=tried
+            prepared.ranking,
+            prepared.query,
+            prepared.conversation_id,
+            kept_turns=routed.kept_turns,
+            exclude=tried,
+            partition=prepared.partition,
         )
         return replace(again, prepared=replace(again.prepared, merged_duplicates=prepared.merged_duplicates))

@@ -102,8 +102,10 @@ class KvEventSink:
         token_ids: Iterable[int],
         block_ends: Iterable[int] | None = None,
         cached_tokens: int | None = None,
+        partition: str | None = None,
     ) -> None:
-        """Record a served request's prompt token ids (and where each of its blocks ends).
+        """Record a served request's prompt token ids (and where each of its blocks ends),
+        sent in the engine's cache ``partition`` (:mod:`~..core.partitions`).
 
         The pilot's prediction for it is then held to what the engine's events confirm:
         its pages walked through the stored chain, plus the pages the engine itself
@@ -115,7 +117,7 @@ class KvEventSink:
         tokens = list(token_ids)
         ends = list(block_ends) if block_ends is not None else None
         with self._lock:
-            grown = self.block_map.track(request_id, tokens, ends, cached_tokens)
+            grown = self.block_map.track(request_id, tokens, ends, cached_tokens, partition)
             for other, cached in grown.items():
                 self.pilot.restore(other, self.block_map.blocks_within(other, cached))
             keep = self.block_map.blocks_within(request_id, self.block_map.cached_tokens(request_id))
@@ -167,7 +169,12 @@ class KvEventSink:
             for event in batch.events:
                 if isinstance(event, BlockStoredEvent):
                     grown, shortened = self.block_map.stored(
-                        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.medium
+                        event.block_hashes,
+                        event.parent_block_hash,
+                        event.token_ids,
+                        event.block_size,
+                        event.medium,
+                        event.partition,
                     )
                     for request_id, tokens in grown.items():
                         self.pilot.restore(request_id, self.block_map.blocks_within(request_id, tokens))

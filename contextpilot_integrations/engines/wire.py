@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..core.partitions import cache_partition
 from ..core.usage import check_token_count
 from ..core.validation import MAX_BLOCKS
 from ..errors import EngineError
@@ -76,6 +77,28 @@ class BlockStoredEvent(_Event):
     token_ids: list[int] = Field(fail_fast=True)
     block_size: int = Field(gt=0)
     medium: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=4096)
+    """SGLang: the salt of the request that stored the blocks."""
+    lora_name: str | None = Field(default=None, max_length=4096)
+    """The LoRA adapter's name (SGLang, vLLM)."""
+    extra_keys: list[Any] | None = Field(default=None, max_length=MAX_BLOCKS)
+    """vLLM: per block, what its hash covers beside the tokens (the LoRA name if any, media
+    pairs, then the ``cache_salt`` on a first block)."""
+
+    @property
+    def partition(self) -> str | None:
+        """The cache partition the blocks were stored in (:func:`~..core.partitions.cache_partition`)."""
+        salt = self.cache_salt
+        if salt is None and self.parent_block_hash is None and self.extra_keys:
+            first = self.extra_keys[0]
+            names = [key for key in first if isinstance(key, str)] if isinstance(first, (list, tuple)) else []
+            if self.lora_name is not None and names and names[0] == self.lora_name:
+                names = names[1:]
+            salt = names[0] if names else None
+        try:
+            return cache_partition(salt=salt, adapter=self.lora_name)
+        except ValueError:  # a name too long for a partition: none we could have sent
+            return None
 
     @model_validator(mode="after")
     def _pages_match_tokens(self) -> BlockStoredEvent:

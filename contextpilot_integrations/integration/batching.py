@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ..core.blocks import Block, BlockLike, normalize_blocks
 from ..core.prepared import PreparedRequest
-from ..core.validation import check_conversation_id, check_kept_turns, check_query
+from ..core.validation import check_conversation_id, check_kept_turns, check_partition, check_query
 from ..pilot import BatchRequest
 
 __all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
@@ -68,7 +68,7 @@ _Outcome = tuple[_Waiter, Any, BaseException | None]
 
 
 def _checked_request(
-    blocks: Iterable[BlockLike], query: object, conversation_id: object, kept_turns: object
+    blocks: Iterable[BlockLike], query: object, conversation_id: object, kept_turns: object, partition: object = None
 ) -> BatchRequest:
     """Validate one request in its caller's own call, so bad input fails that caller alone
     (a planner refuses a whole batch for one bad request)."""
@@ -78,7 +78,8 @@ def _checked_request(
     check_query(query)
     check_conversation_id(conversation_id)
     kept = check_kept_turns(kept_turns)
-    return BatchRequest(blocks, query, conversation_id, kept)  # type: ignore[arg-type]
+    check_partition(partition)
+    return BatchRequest(blocks, query, conversation_id, kept, partition=partition)  # type: ignore[arg-type]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -130,15 +131,17 @@ class MicroBatcher:
         conversation_id: str | None = None,
         *,
         kept_turns: Collection[int] | None = None,
+        partition: str | None = None,
     ) -> Any:
         """Wait for the rest of the burst, then this request's place in the planned batch
-        (what the planner's ``plan`` gives: a prepared request, or a routed one).
+        (what the planner's ``plan`` gives: a prepared request, or a routed one), planned in
+        the engine's cache ``partition`` (see :meth:`ContextPilot.prepare`).
 
         Raises:
             InvalidBlockError, BlockTypeError, TypeError: this request is invalid (the
                 other requests of its batch are planned without it).
         """
-        request = _checked_request(blocks, query, conversation_id, kept_turns)
+        request = _checked_request(blocks, query, conversation_id, kept_turns, partition)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(request, loop, loop.create_future())
         self._run(self._add(waiter, flush_now=False))
@@ -156,12 +159,13 @@ class MicroBatcher:
         conversation_id: str | None = None,
         *,
         kept_turns: Collection[int] | None = None,
+        partition: str | None = None,
     ) -> Any:
         """Blocking variant of :meth:`aprepare`, for threads (LangChain's ``batch``).
 
         Called on an event loop's thread, it plans the open batch at once rather than
         block that loop for the window (the loop's own callers are in that batch)."""
-        waiter = _Waiter(_checked_request(blocks, query, conversation_id, kept_turns))
+        waiter = _Waiter(_checked_request(blocks, query, conversation_id, kept_turns, partition))
         self._run(self._add(waiter, flush_now=_running_loop() is not None))
         try:
             waiter.event.wait()

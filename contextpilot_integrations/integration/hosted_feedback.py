@@ -21,6 +21,7 @@ from typing import Protocol
 
 from ..core.prepared import PreparedRequest
 from ..engines.feedback import cached_blocks_from_usage
+from ..pilot.telemetry import record_model_call
 from ..providers.usage import ProviderUsage, read_provider_usage
 
 __all__ = ["report_provider_served"]
@@ -57,6 +58,14 @@ def report_provider_served(
         return None
     if usage is None or pilot is None:
         return usage
+    record_model_call(  # an OpenTelemetry span with the usage (the [otel] extra; else nothing)
+        prepared,
+        raw,
+        provider=usage.provider,
+        input_tokens=usage.prompt_tokens,
+        cache_read_tokens=usage.cache_read_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+    )
     pilot.record_provider_usage(prepared, usage)
     if usage_feedback and prepared.cached_blocks:
         held = cached_blocks_from_usage(prepared, usage.prompt_tokens, usage.cache_read_tokens, before_tokens)

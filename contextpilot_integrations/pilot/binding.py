@@ -31,6 +31,7 @@ from ..core.annotations import (
     render_block,
 )
 from ..core.blocks import CHARS_PER_TOKEN, BlockLike
+from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest, resolve_references, resolve_request
 from . import ContextPilot
 
@@ -42,6 +43,7 @@ __all__ = [
     "dangling_references",
     "invariant_breaches",
     "message_texts",
+    "partitioned",
     "prepare_bound",
     "resolve_references",
     "restore_references",
@@ -296,10 +298,13 @@ def prepare_bound(
     conversation_id: str | None = None,
     *,
     kept_turns: Collection[int] | None = None,
+    partition: str | None = None,
 ) -> Binding:
     """Prepare with a pilot, a router or a micro-batcher alike, and name the pilot whose
-    index now holds the request (a router's target state): what an adapter deposits."""
-    result = preparer.prepare(blocks, query, conversation_id, kept_turns=kept_turns)
+    index now holds the request (a router's target state): what an adapter deposits.
+    ``partition``: the engine's cache partition (:func:`~..core.partitions.cache_partition`)."""
+    extra = {"partition": partition} if partition is not None else {}
+    result = preparer.prepare(blocks, query, conversation_id, kept_turns=kept_turns, **extra)
     return _bound(preparer, result)
 
 
@@ -310,10 +315,25 @@ async def aprepare_bound(
     conversation_id: str | None = None,
     *,
     kept_turns: Collection[int] | None = None,
+    partition: str | None = None,
 ) -> Binding:
     """Async variant of :func:`prepare_bound`."""
-    result = await preparer.aprepare(blocks, query, conversation_id, kept_turns=kept_turns)
+    extra = {"partition": partition} if partition is not None else {}
+    result = await preparer.aprepare(blocks, query, conversation_id, kept_turns=kept_turns, **extra)
     return _bound(preparer, result)
+
+
+def partitioned(binding: Binding | None, fields: Mapping[str, Any], adapters: Collection[str] = ()) -> Binding | None:
+    """The binding as its model call sends it: indexed in the cache partition the call's body
+    ``fields`` name (its ``cache_salt``, ``extra_key``, LoRA adapter:
+    :func:`~..core.partitions.partition_of_body`) when that is not the one it was prepared
+    in. A body that names none keeps the prepared partition (one given to the retrieval step)."""
+    if binding is None:
+        return None
+    partition = partition_of_body(fields, adapters)
+    if partition is None or partition == binding.prepared.partition:
+        return binding
+    return Binding(binding.pilot, binding.pilot.repartition(binding.prepared, partition), binding.before_tokens)
 
 
 def _bound(preparer: Any, result: Any) -> Binding:

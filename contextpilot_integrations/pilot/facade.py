@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,7 +26,7 @@ from ..core.conversations import ConversationStore
 from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_token_count, check_usage
-from ..core.validation import check_count, check_sizes
+from ..core.validation import check_count, check_partition, check_sizes
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderUsage
 from .planner import BatchItem, Planner
@@ -63,14 +64,14 @@ class ContextPilot:
         cache_tokens: the engine's prefix-cache size in tokens, if known (a larger request is not indexed).
         plain_prompts: send a request whose reordering does not pay as without ContextPilot
             (``False``: every block labelled, the paper's form).
-        order_form: how an annotated request restates the ranking: ``"positions"`` (default: blocks as
-            their text alone, ranked by position), ``"moved"`` (only the blocks out of place) or
-            ``"labels"`` (the paper's: every block labelled, ranked by label).
+        order_form: how an annotated request restates the ranking: ``"positions"`` (default: by position), ``"moved"``
+            (only the blocks out of place) or ``"labels"`` (the paper's: every block labelled, ranked by label).
         token_counter: the engine's tokenizer (:class:`~.engines.EngineTokenCounter`): blocks without
-            ``tokens``, labels and annotation are weighed in its units (default: four characters a token).
-        page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown).
+            ``tokens``, labels and annotation are weighed in its units (default: four characters a token, or the
+            engine's own once a client or adapter given the engine has read it: :mod:`~.engines.engine_info`).
+        page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown, or read).
         keep_top: the retriever's top-ranked block goes out in full where a model reads it best: first in a
-            prompt of its own, last after a history (:mod:`~contextpilot_integrations.core.reading`);
+            prompt of its own, last after a whole history it refers to (:mod:`~contextpilot_integrations.core.reading`);
             ``False``: wherever reuse puts it (the paper's).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
@@ -100,7 +101,7 @@ class ContextPilot:
         self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
         self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
         self.templates, self.annotate_order, self.keep_top = templates or DEFAULT_TEMPLATES, annotate_order, keep_top
-        self.max_live_requests = max_live_requests
+        self.max_live_requests, self._engines_read = max_live_requests, OrderedDict[str, float]()  # see wiring
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
         self._trie, self._strategy = self._state.trie, self._state.strategy
         self._conversations = ConversationStore(conversation_ttl, max_conversations)
@@ -111,9 +112,8 @@ class ContextPilot:
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
 
     def add_observer(self, observer: Callable[..., None]) -> None:
-        """Call ``observer(kind, *details)`` whenever this pilot learns what the engine holds: ``("sent", rid,
-        block_ids, token_counts)``, ``("evicted", rids)``, ``("truncated", rid, cached_blocks)``, ``("restored",
-        rid, cached_blocks)``, ``("reset",)``; under the pilot's lock: quick, never raising."""
+        """Call ``observer(kind, *details)`` under the lock (quick, never raising) as the index changes: ``("sent",
+        rid, keys, token_counts)``, ``("evicted", rids)``, ``("truncated"|"restored", rid, blocks)``, ``("reset",)``."""
         with self._lock:
             self._state.observers = [*self._state.observers, observer]
 
@@ -137,6 +137,7 @@ class ContextPilot:
         *,
         kept_turns: Collection[int] | None = None,
         request_id: str | None = None,
+        partition: str | None = None,
     ) -> PreparedRequest:
         """Order one request's blocks for cache reuse and record it in the index.
 
@@ -147,12 +148,14 @@ class ContextPilot:
                 (while the turn that carried them is kept).
             kept_turns: the earlier turns (0-based) still in the history you send; ``None``: all.
             request_id: your own id for the engine; generated when omitted.
+            partition: the engine's cache partition it goes to (:func:`~contextpilot_integrations.cache_partition`:
+                a tenant's ``cache_salt``, a LoRA adapter); reuse is predicted only within it.
 
         Raises:
             InvalidBlockError, BlockTypeError: a block is empty, not text, or an id is given twice
                 with different texts. Nothing is recorded then.
         """
-        return self._planner.prepare(self._lock, blocks, query, conversation_id, kept_turns, request_id)
+        return self._planner.prepare(self._lock, blocks, query, conversation_id, kept_turns, request_id, partition)
 
     async def aprepare(
         self,
@@ -162,18 +165,21 @@ class ContextPilot:
         *,
         kept_turns: Collection[int] | None = None,
         request_id: str | None = None,
+        partition: str | None = None,
     ) -> PreparedRequest:
         """Async variant of :meth:`prepare` (it never blocks on I/O, so it runs inline)."""
-        return self.prepare(blocks, query, conversation_id, kept_turns=kept_turns, request_id=request_id)
+        return self.prepare(
+            blocks, query, conversation_id, kept_turns=kept_turns, request_id=request_id, partition=partition
+        )
 
     def plan(
         self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
     ) -> list[PreparedRequest]:
         """Offline mode: order every request of a batch and schedule the batch, off the lock.
 
-        Returns the prepared requests in send order, each with its position in the input as
-        ``batch_index``; a conversation's turns keep their order. ``in_order``: the caller
-        sends them in that order (``False`` for concurrent callers; see :meth:`.Planner.plan`).
+        Returns the prepared requests in send order, each with its position in the input as ``batch_index``;
+        a conversation's turns keep their order. ``in_order``: the caller sends them in that order
+        (``False`` for concurrent callers; see :meth:`.Planner.plan`).
 
         Raises:
             InvalidBlockError, BlockTypeError, DuplicateRequestError: for any bad request
@@ -202,9 +208,8 @@ class ContextPilot:
             return self._state.truncate(request_id, cached_blocks, heard=True)
 
     def restore(self, request_id: str, cached_blocks: int | None = None) -> bool:
-        """The engine holds (again) the first ``cached_blocks`` blocks (``None``: all) of this
-        request: eviction events can overtake the store events of the same blocks. Returns
-        whether the request's order was known."""
+        """The engine holds (again) the first ``cached_blocks`` blocks (``None``: all) of this request (eviction
+        events can overtake the store events of the same blocks). Whether its order was known."""
         if cached_blocks is not None:
             check_count("cached_blocks", cached_blocks)
         with self._lock:
@@ -216,18 +221,15 @@ class ContextPilot:
             self._state.reset()
 
     def adopt(self, prepared: PreparedRequest, *, fresh_id: bool = False) -> PreparedRequest:
-        """A request prepared elsewhere (another engine's pilot) is sent to this pilot's engine
-        after all (failover), or again after a failed call was discarded (a retry): record its
-        send order here. ``fresh_id``: a new request id (a retry must not reuse the failed
-        call's). Returns it as this pilot predicts it (its ``cached_blocks`` from this index)."""
+        """A request prepared elsewhere is sent to this pilot's engine after all (failover), or again after a
+        failed call was discarded (a retry): record its send order here. ``fresh_id``: a new request id (a
+        retry must not reuse the failed call's). Returns it as this index predicts it."""
         with self._lock:
             return self._state.adopt(prepared, fresh_id)
 
     def record_sent(self, request_id: str, block_ids: Sequence[str]) -> bool:
-        """Another worker sent this request (its blocks in send order) to the engine this pilot
-        models: index it as if prepared here (what the shared log applies; a long one a part at
-        a time, see :func:`sent_in_parts`). Idempotent: a request already live keeps its place.
-        Returns whether it was new."""
+        """Another worker sent this request (its index keys in send order) to this pilot's engine: index it
+        as if prepared here (a long one in parts: :func:`sent_in_parts`). Idempotent. Whether it was new."""
         return sent_in_parts(self._lock, self._reports, request_id, checked_order(request_id, block_ids))
 
     def record_usage(
@@ -238,10 +240,8 @@ class ContextPilot:
         *,
         cache_write_tokens: int | None = None,
     ) -> None:
-        """Add the engine's own token accounting for a served request to the statistics
-        (``cache_write_tokens``: what a hosted API wrote to its cache). Raises TypeError or
-        ValueError, recording nothing, for a count not an int in 0..MAX_TOKENS or cached
-        tokens over the prompt tokens."""
+        """Add the engine's token accounting for a served request to the statistics (``cache_write_tokens``: what
+        a hosted API wrote to its cache). TypeError or ValueError, recording nothing, for a bad count."""
         check_usage(prompt_tokens, cached_tokens)
         if cache_write_tokens is not None:
             check_token_count("cache_write_tokens", cache_write_tokens)
@@ -266,23 +266,26 @@ class ContextPilot:
             self._reports.counters.count_cache_plan(plan)
 
     def observe_cached(self, prepared: PreparedRequest, cached_blocks: int) -> int:
-        """The engine served only the first ``cached_blocks`` blocks of this request from its
-        cache, where the index predicted ``prepared.cached_blocks`` (the cached-token reports
-        of engines without KV events: llama.cpp, hosted APIs; see :meth:`.Reports.observe_cached`).
-        Returns how many live requests were shortened."""
+        """The engine served only the first ``cached_blocks`` blocks of this request from its cache (reports of
+        engines without KV events: :meth:`.Reports.observe_cached`). Returns how many live requests were shortened."""
         check_count("cached_blocks", cached_blocks)
         with self._lock:
             return self._reports.observe_cached(prepared, cached_blocks)
 
+    def repartition(self, prepared: PreparedRequest, partition: str | None) -> PreparedRequest:
+        """It goes out in cache ``partition`` after all (its call's body names one): indexed there instead."""
+        check_partition(partition)
+        with self._lock:
+            return prepared if partition == prepared.partition else self._state.move(prepared, partition)
+
     def discard(self, prepared: PreparedRequest) -> None:
-        """The request never reached the engine: forget it in the index and that its turn showed
-        any block (later turns of its conversation resend them)."""
+        """It never reached the engine: forget it in the index, and its turn (later turns resend its blocks)."""
         with self._lock:
             self._reports.discard(prepared)
 
     def note_restored(self, prepared: PreparedRequest, block_ids: Collection[str]) -> None:
-        """These references of ``prepared`` went out as full text after all (the messages sent did
-        not carry what they pointed to): count them, and let later turns refer to this turn for them."""
+        """These references went out in full after all (the messages did not carry their text): counted; later
+        turns may refer to this turn for them."""
         with self._lock:
             self._reports.note_restored(prepared, block_ids)
 
@@ -297,30 +300,28 @@ class ContextPilot:
             return self._conversations.end(conversation_id)
 
     def shared_depths(self, prepared: PreparedRequest) -> tuple[int, ...]:
-        """Prefix lengths (in blocks) of this request's send order that the index says other live
-        requests share (where each one's shared part ends): where a hosted API's cache marker pays
-        off. A request the index does not hold (a later chat turn): its predicted cached blocks."""
+        """Prefix lengths (in blocks) of this request's send order where other live requests' shared part ends:
+        where a hosted API's cache marker pays. Not held (a later turn): its predicted cached blocks."""
         with self._lock:
             return self._state.shared_depths(prepared)
 
-    def predicted_cached_blocks(self, block_ids: Sequence[str]) -> int:
-        """Leading blocks of this send order the index predicts the engine holds, sent as
-        their text alone or labelled (whichever the engine holds more of)."""
+    def predicted_cached_blocks(self, block_ids: Sequence[str], partition: str | None = None) -> int:
+        """Leading blocks of this send order predicted held by the engine (in ``partition``; plain or labelled)."""
+        check_partition(partition)
         with self._lock:
-            return self._state.predicted_cached_blocks(list(block_ids))
+            return self._state.predicted_cached_blocks(list(block_ids), partition)
 
-    def reusable_tokens(self, blocks: Iterable[BlockLike]) -> int:
-        """Tokens of these blocks the engine could serve from its cache if this pilot prepared them
-        now: the longest live prefix they can follow (in retrieval order for the ``retrieval``
-        strategy, or sent without labels). What a router compares across engines."""
+    def reusable_tokens(self, blocks: Iterable[BlockLike], partition: str | None = None) -> int:
+        """Tokens of these blocks the engine could serve (in ``partition``) if this pilot prepared them now: the
+        longest live prefix they can follow (plain or labelled). What a router compares across engines."""
         sizes = {block.id: block.token_count for block in normalize_blocks(blocks)[0]}
+        check_partition(partition)
         with self._lock:
-            heads = self._state.reusable_heads(list(sizes))
+            heads = self._state.reusable_heads(list(sizes), partition)
         return max(sum(sizes[key] for key in head) for head in heads)
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
-        """The predicted engine state, one entry per cached block position, pre-order:
-        (block ids from the root, live requests through this node, requests ending here)."""
+        """The predicted engine state pre-order: (index keys from the root, live requests through, ending here)."""
         with self._lock:
             return list(self._trie.iter_nodes())
 

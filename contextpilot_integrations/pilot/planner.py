@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -40,7 +41,13 @@ from ..core.gain import (
 from ..core.prepared import PreparedRequest, Reference, make_reference
 from ..core.reading import top_first, top_last
 from ..core.units import TokenUnits
-from ..core.validation import check_conversation_id, check_kept_turns, check_query, check_request_id
+from ..core.validation import (
+    check_conversation_id,
+    check_kept_turns,
+    check_partition,
+    check_query,
+    check_request_id,
+)
 from ..errors import DuplicateRequestError
 from ..index.strategies import plan_under_first
 from .state import EngineState
@@ -57,6 +64,7 @@ class BatchRequest:
     conversation_id: str | None = None
     kept_turns: Collection[int] | None = None
     request_id: str | None = None
+    partition: str | None = None
 
 
 BatchItem = BatchRequest | tuple[Sequence[BlockLike], str] | Mapping[str, Any]
@@ -157,15 +165,23 @@ class Planner:
         conversation_id: str | None,
         kept_turns: Collection[int] | None,
         request_id: str | None,
+        partition: str | None = None,
     ) -> PreparedRequest:
-        """Check one request, then prepare it under ``lock`` (nothing recorded when it is refused)."""
+        """Check one request, then prepare it under ``lock`` (nothing recorded when it is refused);
+        the time it took goes to the latency histogram (``PilotStats.prepare_seconds_buckets``)."""
+        started = time.perf_counter()
         normalized, merged = normalize_blocks(blocks)
         check_query(query)
         check_conversation_id(conversation_id)
+        check_partition(partition)
         kept = check_kept_turns(kept_turns)
         normalized = self.counted(normalized, query, conversation_id)
         with lock:
-            return self.prepare_locked(normalized, merged, query, conversation_id, kept, request_id, None)
+            prepared = self.prepare_locked(
+                normalized, merged, query, conversation_id, kept, request_id, None, partition=partition
+            )
+            self.counters.count_prepare_seconds(time.perf_counter() - started)
+            return prepared
 
     def prepare_locked(
         self,
@@ -179,6 +195,7 @@ class Planner:
         batch_index: int | None = None,
         chance: Chance | None = None,
         concurrent: bool = False,
+        partition: str | None = None,
     ) -> PreparedRequest:
         # decide everything first; record only once nothing can raise any more
         rid = self.state.new_request_id(request_id)
@@ -207,7 +224,11 @@ class Planner:
             # sent without history starts like any request: indexed, as a first turn is)
             sent = fresh
             labels = dedup is None or dedup.labelled
-            read_top_last = self.settings.keep_top and not labels  # after the history, the top reads best last
+            # after a whole history, a turn that refers back reads its top block best last; a turn
+            # that refers to nothing is the prompt without ContextPilot, and after a window that
+            # left the first turn, a turn will one day lead a prompt itself: the retriever's order
+            whole = kept_turns is None or 0 in kept_turns
+            read_top_last = self.settings.keep_top and not labels and whole and bool(references)
             if read_top_last:
                 sent = list(map(by_id.__getitem__, top_last([block.id for block in sent], blocks[0].id)))
             if planned_order is not None:
@@ -216,19 +237,19 @@ class Planner:
             keys = list(by_id) if fresh is blocks else [block.id for block in fresh]
             top = keys[0] if self.settings.keep_top and keys else None  # first, where a model reads best
             if planned_order is None:
-                first = self.strategy_keys([top])[0] if top is not None else None
-                planned_order = key_blocks(self.state.strategy.order(rid, self.strategy_keys(keys), first))
+                first = self.strategy_keys([top], partition)[0] if top is not None else None
+                planned_order = key_blocks(self.state.strategy.order(rid, self.strategy_keys(keys, partition), first))
             if top is not None:
                 planned_order = top_first(planned_order, top)
             bets = conversation_id is None or not self.plain_prompts
-            choice = self.worth_it(planned_order, keys, blocks, by_id, query, chance, concurrent, bets)
+            choice = self.worth_it(planned_order, keys, blocks, by_id, query, chance, concurrent, bets, partition)
             order, labels = choice.order, choice.labels
             if dedup is not None:
                 dedup = replace(dedup, labelled=labels)
             self.outlook.cooccurrence.record(order)
             self.outlook.balance.add(choice.bought)
             sent = list(map(by_id.__getitem__, order))
-            indexed = labelled_keys(order) if labels else plain_keys(order)
+            indexed = labelled_keys(order, partition) if labels else plain_keys(order, partition)
             if choice.cached:
                 cached_blocks = self.state.record(rid, indexed, sent)
             else:  # larger than the engine's cache: it reuses, but leaves nothing to predict
@@ -239,7 +260,7 @@ class Planner:
             cached_tokens = sum(sizes[:cached_blocks])
         if dedup is not None:
             self.conversations.record(dedup)
-        self.counters.count_prepared(sizes, references, cached_blocks, cached_tokens)
+        self.counters.count_prepared(sizes, references, cached_blocks, cached_tokens, partition)
         prepared = PreparedRequest(
             request_id=rid,
             query=query,
@@ -257,6 +278,7 @@ class Planner:
             labels=labels,
             order_form=self.order_form,
             top_last=read_top_last,
+            partition=partition,
         )
         return prepared
 
@@ -266,10 +288,10 @@ class Planner:
         paper's form: labelled)."""
         return self.plain_prompts and self.order_form != "labels"
 
-    def strategy_keys(self, keys: list[str]) -> list[str]:
-        """The index keys the strategy orders by: the text alone (one text per block) unless
-        the blocks will carry labels (the paper's form)."""
-        return plain_keys(keys) if self.one_text else labelled_keys(keys)
+    def strategy_keys(self, keys: list[str], partition: str | None = None) -> list[str]:
+        """The index keys the strategy orders by (in the request's cache partition): the text
+        alone (one text per block) unless the blocks will carry labels (the paper's form)."""
+        return plain_keys(keys, partition) if self.one_text else labelled_keys(keys, partition)
 
     def worth_it(
         self,
@@ -281,6 +303,7 @@ class Planner:
         chance: Chance | None,
         concurrent: bool = False,
         bets: bool = True,
+        partition: str | None = None,
     ) -> Choice:
         """The send that pays best for this request (:mod:`.gain`). ``chance``: that a later
         request carries a block after another (default: what this traffic showed, bet only
@@ -302,7 +325,9 @@ class Planner:
             order,
             keys,
             {key: by_id[key].token_count for key in keys},
-            matched=lambda keys, labelled: trie.match_length(labelled_keys(keys) if labelled else plain_keys(keys)),
+            matched=lambda keys, labelled: trie.match_length(
+                labelled_keys(keys, partition) if labelled else plain_keys(keys, partition)
+            ),
             chance=chance or self.outlook.cooccurrence.chance,
             annotation_cost=annotation,
             label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
@@ -347,6 +372,7 @@ class Planner:
                 normalized.append(normalize_blocks(item.blocks))
                 check_query(item.query)
                 check_conversation_id(item.conversation_id)
+                check_partition(item.partition)
                 kept_turns.append(check_kept_turns(item.kept_turns))
                 if item.request_id is not None:
                     check_request_id(item.request_id)
@@ -368,7 +394,8 @@ class Planner:
             self.state.reserved.update(ids)  # no concurrent prepare can take them meanwhile
         try:
             batch = [(rid, [block.id for block in blocks]) for rid, (blocks, _) in zip(ids, normalized, strict=True)]
-            followed = [(rid, self.strategy_keys(keys)) for rid, keys in batch]
+            partitions = [item.partition for item in items]
+            followed = [(rid, self.strategy_keys(keys, p)) for (rid, keys), p in zip(batch, partitions, strict=True)]
             tokens = {
                 key: block.token_count
                 for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
@@ -390,7 +417,7 @@ class Planner:
                 for start in range(0, max(len(schedule), 1), _COMMIT_STEP):
                     with lock:
                         if start == 0:
-                            chances = self.batch_chances(batch, schedule, orders, sizes, in_order)
+                            chances = self.batch_chances(batch, schedule, orders, sizes, in_order, partitions)
                             for part, part_batch in parts:
                                 self.state.strategy.commit(part, part_batch)
                         for index in schedule[start : start + _COMMIT_STEP]:
@@ -408,6 +435,7 @@ class Planner:
                                     index,
                                     chances[index],
                                     not in_order,
+                                    item.partition,
                                 )
                             )
                     steps.update(min(_COMMIT_STEP, len(schedule) - start))
@@ -423,29 +451,33 @@ class Planner:
         orders: Sequence[list[str]],
         sizes: Sequence[int],
         in_order: bool,
+        partitions: Sequence[str | None] = (),
     ) -> dict[int, Chance | None]:
         """Per request of a batch about to be counted: that a later request carries a block.
         Sent in order, sure for a block a later request of the batch carries while the
         cache still holds it (the tokens sent in between fit, when the cache size is known);
-        else what this traffic showed. ``None`` (bets paid from the balance only) for a
-        concurrent burst: a partner's prefix may not be computed before it is needed."""
+        else what this traffic showed (a partner in another cache partition reuses nothing).
+        ``None`` (bets paid from the balance only) for a concurrent burst: a partner's
+        prefix may not be computed before it is needed."""
         if not in_order:
             return dict.fromkeys(range(len(batch)))
         room = self.cache_tokens
         shown = self.outlook.cooccurrence.chance
         chances: dict[int, Chance | None] = {}
         sent_after = 0  # tokens of the requests after the current one (scanning backwards)
-        next_at: dict[str, int] = {}  # block -> tokens from the next request carrying it to the end
+        next_at: dict[tuple[str | None, str], int] = {}  # block -> tokens from the next request carrying it to the end
         for index in reversed(schedule):
+            partition = partitions[index] if partitions else None
             sure = frozenset(
                 key
                 for key in orders[index]
-                if key in next_at and (room is None or sent_after - next_at[key] + sizes[index] <= room)
+                if (at := next_at.get((partition, key))) is not None
+                and (room is None or sent_after - at + sizes[index] <= room)
             )
             chances[index] = _sure_or(sure, shown)
             sent_after += sizes[index]
             for key in orders[index]:
-                next_at[key] = sent_after
+                next_at[partition, key] = sent_after
         return chances
 
 

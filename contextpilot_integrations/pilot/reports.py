@@ -55,6 +55,11 @@ class Reports:
         counters.engine_requests += 1
         counters.engine_prompt_tokens += prompt_tokens or 0
         counters.engine_cached_tokens += cached_tokens or 0
+        if prepared.partition is not None or counters.partitions:
+            counts = counters.in_partition(prepared.partition)
+            counts[2] += 1
+            counts[3] += prompt_tokens or 0
+            counts[4] += cached_tokens or 0
         if prepared.conversation_id is not None:
             usage = self.usage.setdefault(prepared.conversation_id, [0, 0, 0])
             self.usage.move_to_end(prepared.conversation_id)

@@ -121,6 +121,22 @@ class EngineState:
         )
         return adopted
 
+    def move(self, prepared: PreparedRequest, partition: str | None) -> PreparedRequest:
+        """The request goes out in another cache partition than it was prepared for (its
+        model call's body names one): indexed there instead, under the same id, with the
+        blocks predicted cached there. Its turn and counts stay; the observers hear it leave
+        and enter."""
+        moved = replace(prepared, partition=partition)
+        rid = prepared.request_id
+        if rid not in self.live:  # not indexed (a later turn) or gone already: nothing held
+            return moved
+        self._drop(rid)
+        self.orders.pop(rid, None)
+        if self.observers:
+            self.notify("evicted", (rid,))
+        cached = self.record(rid, index_keys(moved), moved.blocks)
+        return replace(moved, cached_blocks=cached, cached_tokens=sum(b.token_count for b in moved.blocks[:cached]))
+
     def learn(self, rid: str, order: list[str], part: slice) -> None:
         """Let the strategy learn a request it did not order (another worker's), entered in
         parts: ``part``, these of its blocks now (the trie strategy counts each part, the
@@ -250,13 +266,14 @@ class EngineState:
             return tuple(self.trie.shared_depths(index_keys(prepared)))
         return (prepared.cached_blocks,) if prepared.cached_blocks else ()
 
-    def predicted_cached_blocks(self, ids: list[str]) -> int:
-        return max(self.trie.match_length(plain_keys(ids)), self.trie.match_length(labelled_keys(ids)))
+    def predicted_cached_blocks(self, ids: list[str], partition: str | None = None) -> int:
+        plain, labelled = plain_keys(ids, partition), labelled_keys(ids, partition)
+        return max(self.trie.match_length(plain), self.trie.match_length(labelled))
 
-    def reusable_heads(self, keys: list[str]) -> list[list[str]]:
-        """The blocks of ``keys`` the engine could serve, sent plain and sent labelled."""
+    def reusable_heads(self, keys: list[str], partition: str | None = None) -> list[list[str]]:
+        """The blocks of ``keys`` the engine could serve, sent plain and sent labelled (in ``partition``)."""
         heads = []
-        for indexed in (plain_keys(keys), labelled_keys(keys)):
+        for indexed in (plain_keys(keys, partition), labelled_keys(keys, partition)):
             if self.strategy.name == "retrieval":
                 heads.append(keys[: self.trie.match_length(indexed)])
             else:

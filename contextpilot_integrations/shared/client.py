@@ -436,6 +436,9 @@ class SharedIndex:
             "shared_status": state,
             "shared_unsent": self.unsent,
             "shared_applied": self.applier.applied,
+            "shared_rejected": self._rejected,
+            "shared_behind": max(0, self._stream_last - self._seq),
+            "shared_lag_seconds": _newest(self._lags),
         }
 
     def _state(self) -> str:
@@ -1052,3 +1055,11 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_release_held, after_in_child=_after_fork_in_child)
+
+
+def _newest(lags: deque[float]) -> float | None:
+    """The newest applied entry's lag (``None``: none yet); the deque is appended on another thread."""
+    try:
+        return lags[-1]
+    except IndexError:
+        return None

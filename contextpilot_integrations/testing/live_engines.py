@@ -37,7 +37,8 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -505,6 +506,17 @@ PATHS = ("vllm-zmq", "sglang-plugin", "sglang-zmq")
 """vLLM with our ZMQ subscriber; SGLang with our plugin (HTTP callback); SGLang with ZMQ."""
 
 
+@contextmanager
+def event_path(name: str, workdir: Path, skip: Callable[[str], object]) -> Iterator[EventPath]:
+    """The engine of path ``name`` started in ``workdir`` (skipped, or failing in CI, without
+    it: :func:`require_live_engine`), stopped on exit."""
+    running = EventPath(name, require_live_engine(name.split("-")[0], skip), workdir)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 class EventPath:
     """One engine and how its KV events reach us: the engine, plus a fresh pilot with its
     own listener or subscriber on demand (an application (re)starting against it)."""
@@ -629,9 +641,10 @@ class IdsOnlySink(KvEventSink):
         token_ids: Iterable[int],
         block_ends: Iterable[int] | None = None,
         cached_tokens: int | None = None,
+        partition: str | None = None,
     ) -> None:
         with self._lock:
-            self.block_map.track(request_id, list(token_ids))
+            self.block_map.track(request_id, list(token_ids), partition=partition)
             self._evict_untracked()
 
 

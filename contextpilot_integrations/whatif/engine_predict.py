@@ -26,10 +26,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import httpx
 
+from ..engines.engine_info import find_key
 from ..engines.tokens import TokenizeEndpoint
 from .simulate import BlockSpec, RadixCacheSimulator
 
@@ -52,7 +53,7 @@ def cache_shape(base_url: str, engine: str) -> CacheShape | None:
     try:
         if engine == "sglang":
             info = httpx.get(base + "/server_info", timeout=30).json()
-            page, pool = _find(info, "page_size"), _find(info, "max_total_num_tokens")
+            page, pool = find_key(info, "page_size"), find_key(info, "max_total_num_tokens")
             return CacheShape(int(page), int(pool)) if page and pool else None
         if engine == "vllm":
             metrics = httpx.get(base + "/metrics", timeout=30).text
@@ -62,23 +63,6 @@ def cache_shape(base_url: str, engine: str) -> CacheShape | None:
             return CacheShape(page, (blocks - 1) * page) if page and blocks > 1 else None  # one null block
     except (httpx.HTTPError, ValueError):
         return None
-    return None
-
-
-def _find(data: Any, key: str) -> Any:
-    """The first value of ``key`` anywhere in nested JSON (``/server_info`` moves fields between versions)."""
-    if isinstance(data, Mapping):
-        if data.get(key) is not None:
-            return data[key]
-        children: Any = data.values()
-    elif isinstance(data, list):
-        children = data
-    else:
-        return None
-    for child in children:
-        found = _find(child, key)
-        if found is not None:
-            return found
     return None
 
 

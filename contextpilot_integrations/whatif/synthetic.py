@@ -112,6 +112,13 @@ FAMILIES: dict[str, Family] = {
             topic_blocks=80, locality=0.95, turns=(50, 200),
         ),
         Family(
+            "tiny-facts",
+            "a fact base read in small pieces: 20 facts of 3-12 tokens a request, shared topics, "
+            "conversations of 2-20 turns",
+            requests=1500, sessions=20, block_tokens=(3, 12), blocks=(20, 20), zipf=1.0, topics=30,
+            topic_blocks=80, locality=0.7, turns=(2, 20),
+        ),
+        Family(
             "multihop-like",
             "like the bundled MultiHop-RAG sample: 15 blocks of 400-800 tokens, shared news topics, "
             "conversations of 2-6 turns",

@@ -24,7 +24,7 @@ The method is ContextPilot (MLSys 2026); the framework-free core is
 from importlib import metadata
 
 from ._binding import ContextPilotBindingWarning
-from ._documents import conversation_id_from_config
+from ._documents import conversation_id_from_config, partition_from_config
 from .chat_models import ChatSGLang, ContextPilotChatModel
 from .compressors import ContextPilotCompressor, ContextPilotPostprocessor, contextpilot_reorder
 from .conversational import ConversationalRAG
@@ -58,4 +58,5 @@ __all__ = [
     "conversation_id_from_config",
     "format_documents",
     "format_documents_runnable",
+    "partition_from_config",
 ]

@@ -15,7 +15,9 @@ from contextpilot_integrations import (
     PreparedRequest,
     Reference,
     content_id,
+    partition_of_body,
 )
+from contextpilot_integrations.core.validation import check_partition
 
 CONVERSATION_KEYS = ("conversation_id", "thread_id", "session_id")
 METADATA_KEY = "contextpilot"
@@ -33,6 +35,24 @@ def conversation_id_from_config(config: RunnableConfig | None = None) -> str | N
             value = source.get(key)
             if value:
                 return str(value)
+    return None
+
+
+def partition_from_config(config: RunnableConfig | None = None) -> str | None:
+    """The engine's cache partition of this invocation: ``configurable.cache_partition`` (a name
+    from :func:`~contextpilot_integrations.cache_partition`), else one made of
+    ``configurable.cache_salt``, ``extra_key`` and ``lora_path`` (the body fields the engine
+    partitions by), else the same in ``metadata``; ``None``: the engine's default one. A model
+    call whose body names another partition moves the request there (it sends it there)."""
+    config = ensure_config(config)
+    for source in (config.get("configurable") or {}, config.get("metadata") or {}):
+        named = source.get("cache_partition")
+        if named is not None:
+            check_partition(named)
+            return str(named)
+        derived = partition_of_body(source)
+        if derived is not None:
+            return derived
     return None
 
 

@@ -21,6 +21,7 @@ from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import as_engine_error
 from contextpilot_integrations.pilot.binding import Binding, checked_for_sending
+from contextpilot_integrations.pilot.telemetry import record_model_call
 
 from . import _binding
 from ._written import as_sent, newest_written, note_written
@@ -100,13 +101,27 @@ def report(
     usage_feedback: bool,
     tracker: EventTracker | None,
     block_ends: list[int] | None = None,
+    chat_model: Any = None,
 ) -> None:
-    """The engine's counts (LangChain's standard ``usage_metadata``) to the request's pilot."""
+    """The engine's counts (LangChain's standard ``usage_metadata``) to the request's pilot, and an
+    OpenTelemetry span of the call (the ``[otel]`` extra; ``chat_model``: the provider's model, which
+    names the model and provider where the message does not yet)."""
     if binding is None or message is None:
         return
     usage = getattr(message, "usage_metadata", None) or {}
     details = usage.get("input_token_details") or {}
-    ids = (getattr(message, "response_metadata", None) or {}).get(PROMPT_IDS_KEY)
+    metadata = getattr(message, "response_metadata", None) or {}
+    ids = metadata.get(PROMPT_IDS_KEY)
+    model, provider = _described(chat_model, metadata)
+    record_model_call(
+        binding.prepared,
+        model=model,
+        provider=provider,
+        input_tokens=usage.get("input_tokens"),
+        output_tokens=usage.get("output_tokens"),
+        cache_read_tokens=details.get("cache_read"),
+        cache_write_tokens=details.get("cache_creation"),
+    )
     report_served(
         binding.pilot,
         binding.prepared,
@@ -118,6 +133,19 @@ def report(
         input_ids=ids,
         block_ends=block_ends,
     )
+
+
+def _described(chat_model: Any, metadata: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(model, provider) of a call: the answer's metadata, else what the chat model tells LangSmith
+    (a message from the provider's ``_generate`` has not been given its ``model_name`` yet)."""
+    model, provider = metadata.get("model_name") or metadata.get("model"), metadata.get("model_provider")
+    if (model is None or provider is None) and chat_model is not None:
+        try:
+            params = chat_model._get_ls_params()
+        except Exception:  # a model that cannot describe itself: a span without its name
+            params = {}
+        model, provider = model or params.get("ls_model_name"), provider or params.get("ls_provider")
+    return model, provider
 
 
 def failed(run_manager: Any, binding: Binding | None, tracker: EventTracker | None) -> None:

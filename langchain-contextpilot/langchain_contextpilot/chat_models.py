@@ -27,11 +27,12 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.engine_info import learn_engine_in_background
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
-from contextpilot_integrations.pilot.binding import Binding
+from contextpilot_integrations.pilot.binding import Binding, partitioned
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import _binding, _model_calls, cache_markers
@@ -53,6 +54,7 @@ class _SendsPreparedRequests:
     engine: str | None
     event_sink: Any
     usage_feedback: bool | None
+    discover: bool | None
 
     # provided by the subclass -------------------------------------------------------------
     def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
@@ -102,20 +104,51 @@ class _SendsPreparedRequests:
     def _wrapped_llm(self) -> Any:
         return None
 
+    def _learn_engine(self, binding: Binding | None) -> None:
+        """Once per pilot and engine, on a thread of its own: the engine's page size, KV pool
+        and tokenizer for the request's pilot, where its user left them unset (see
+        :mod:`contextpilot_integrations.engines.engine_info`; ``discover=False``: never)."""
+        base_url = self._engine_base_url() if binding is not None and self.engine is not None else None
+        if binding is None or not base_url or self.discover is False:
+            return
+        key = getattr(self, "openai_api_key", None) or getattr(self._wrapped_llm(), "openai_api_key", None)
+        secret = key.get_secret_value() if key is not None else ""
+        model = getattr(self, "model_name", None) or getattr(self._wrapped_llm(), "model_name", None) or "default"
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        learn_engine_in_background(
+            binding.pilot, base_url, engine=self.engine, model=model, headers=headers, discover=self.discover
+        )
+
+    def _body_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request body's own fields this call sends beside its messages (where a
+        ``cache_salt``, an ``extra_key`` or a ``lora_path`` would be)."""
+        model_kwargs = getattr(self._wrapped_llm() or self, "model_kwargs", None) or {}
+        extra = {**(self._provider_extra_body() or {}), **(kwargs.get("extra_body") or {})}
+        return {**model_kwargs, **extra, **kwargs}
+
     # the calls ------------------------------------------------------------------------------
     def _before(
         self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
     ) -> tuple[Binding | None, list[BaseMessage], dict[str, Any]]:
         binding, sent = _model_calls.bind(run_manager, kwargs, messages)
+        binding = partitioned(binding, self._body_fields(kwargs))  # the engine's cache partition it goes to
         kwargs = _model_calls.with_ids(
             self.engine, binding, kwargs, self._provider_extra_body(), self.event_sink is not None
         )
         return binding, sent, kwargs
 
     def _after(self, binding: Binding | None, message: Any) -> None:
+        self._learn_engine(binding)  # once: the engine's page and tokenizer, for the next requests
         ends = _model_calls.block_ends(self._block_tokenizer(), binding, message)
         feedback = self.event_sink is None if self.usage_feedback is None else self.usage_feedback
-        _model_calls.report(binding, message, usage_feedback=feedback, tracker=self.event_sink, block_ends=ends)
+        _model_calls.report(
+            binding,
+            message,
+            usage_feedback=feedback,
+            tracker=self.event_sink,
+            block_ends=ends,
+            chat_model=self._wrapped_llm() or self,
+        )
 
     async def _aafter(self, binding: Binding | None, message: Any) -> None:
         """:meth:`_after`, its ``/tokenize`` calls (new blocks only) off the event loop."""
@@ -249,6 +282,10 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
     usage_feedback: bool | None = None
     """Report cached-token shortfalls to the index (default: on for an engine, off for a
     hosted API, whose short reads are no evictions)."""
+    discover: bool | None = None
+    """With ``engine=``: after the first answer, the request's pilot reads the engine's page
+    size, KV pool and tokenizer (at the ``llm``'s base URL), once, where its user left them
+    unset (default: on unless ``CONTEXTPILOT_DISCOVER_ENGINE=0``; ``False``: never)."""
     provider: str | None = "auto"
     """The hosted API whose prompt cache to mark: ``openai``, ``anthropic``, ``bedrock``,
     ``gemini``; ``"auto"``: from the wrapped class (``ChatOpenAI`` only at OpenAI's own
@@ -429,6 +466,10 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
+    discover: bool | None = None
+    """After the first answer, the request's pilot reads the engine's page size, KV pool and
+    tokenizer, once, where its user left them unset (default: on unless
+    ``CONTEXTPILOT_DISCOVER_ENGINE=0``; ``False``: never)."""
     engine: str | None = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
     router: Any = Field(default=None, exclude=True)

@@ -15,7 +15,15 @@ from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
-from ._documents import CONVERSATION_KEYS, EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
+from ._documents import (
+    CONVERSATION_KEYS,
+    EVENT_NAME,
+    conversation_id_from_config,
+    event_data,
+    in_send_order,
+    partition_from_config,
+    to_blocks,
+)
 
 __all__ = ["ContextPilotCompressor", "ContextPilotPostprocessor", "contextpilot_reorder"]
 
@@ -57,13 +65,17 @@ class ContextPilotCompressor(BaseDocumentCompressor):
     def compress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        binding = prepare_bound(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
+        binding = prepare_bound(
+            self.pilot, to_blocks(documents), query, self._conversation(callbacks), partition=partition_from_config()
+        )
         return self._deliver(binding, documents, callbacks)
 
     async def acompress_documents(
         self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
     ) -> Sequence[Document]:
-        binding = await aprepare_bound(self.pilot, to_blocks(documents), query, self._conversation(callbacks))
+        binding = await aprepare_bound(
+            self.pilot, to_blocks(documents), query, self._conversation(callbacks), partition=partition_from_config()
+        )
         deposit(callbacks, getattr(callbacks, "parent_run_id", None), binding)
         if callbacks is not None:
             await adispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config={"callbacks": callbacks})
@@ -85,12 +97,16 @@ class ContextPilotCompressor(BaseDocumentCompressor):
 
         def reorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
-            binding = prepare_bound(self.pilot, to_blocks(documents), query, conversation(config))
+            binding = prepare_bound(
+                self.pilot, to_blocks(documents), query, conversation(config), partition=partition_from_config(config)
+            )
             return self._deliver(binding, documents, config.get("callbacks"))
 
         async def areorder(value: Any, config: RunnableConfig) -> list[Document]:
             documents, query = _documents_and_query(value)
-            binding = await aprepare_bound(self.pilot, to_blocks(documents), query, conversation(config))
+            binding = await aprepare_bound(
+                self.pilot, to_blocks(documents), query, conversation(config), partition=partition_from_config(config)
+            )
             callbacks = config.get("callbacks")
             deposit(callbacks, getattr(callbacks, "parent_run_id", None), binding)
             await adispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config=config)

@@ -23,7 +23,7 @@ from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
-from ._documents import conversation_id_from_config, to_blocks
+from ._documents import conversation_id_from_config, partition_from_config, to_blocks
 
 __all__ = ["ConversationalRAG"]
 
@@ -169,7 +169,14 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
         question, conversation_id, history, kept = self._begin(input, config)
         child = patch_config(config, callbacks=run_manager.get_child())
         documents = _documents(self.retriever.invoke(question, config=child))
-        binding = prepare_bound(self.pilot, to_blocks(documents), question, conversation_id, kept_turns=kept)
+        binding = prepare_bound(
+            self.pilot,
+            to_blocks(documents),
+            question,
+            conversation_id,
+            kept_turns=kept,
+            partition=partition_from_config(config),
+        )
         deposit(run_manager, run_manager.run_id, binding)
         return conversation_id, binding, *self._messages(binding, history), child
 
@@ -179,7 +186,14 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
         question, conversation_id, history, kept = self._begin(input, config)
         child = patch_config(config, callbacks=run_manager.get_child())
         documents = _documents(await self.retriever.ainvoke(question, config=child))
-        binding = await aprepare_bound(self.pilot, to_blocks(documents), question, conversation_id, kept_turns=kept)
+        binding = await aprepare_bound(
+            self.pilot,
+            to_blocks(documents),
+            question,
+            conversation_id,
+            kept_turns=kept,
+            partition=partition_from_config(config),
+        )
         deposit(run_manager, run_manager.run_id, binding)
         return conversation_id, binding, *self._messages(binding, history), child
 

@@ -38,7 +38,7 @@ from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
 
 from ._binding import deposit
-from ._documents import conversation_id_from_config, to_blocks
+from ._documents import conversation_id_from_config, partition_from_config, to_blocks
 from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, written_out
 
 __all__ = ["TURN_KEY", "ContextPilotRetrieveNode"]
@@ -88,6 +88,7 @@ class ContextPilotRetrieveNode(BaseModel):
             str(question.content),
             conversation_id_from_config(config),
             kept_turns=kept,
+            partition=partition_from_config(config),
         )
         return self._update(question, binding, config)
 
@@ -102,5 +103,6 @@ class ContextPilotRetrieveNode(BaseModel):
             str(question.content),
             conversation_id_from_config(config),
             kept_turns=kept,
+            partition=partition_from_config(config),
         )
         return self._update(question, binding, config)

@@ -43,11 +43,11 @@ from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
 from contextpilot_integrations.integration.implicit import own_pilot
-from contextpilot_integrations.pilot.binding import Binding, prepare_bound
+from contextpilot_integrations.pilot.binding import Binding, partitioned, prepare_bound
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import cache_markers
-from ._documents import conversation_id_from_config, is_blank, to_blocks
+from ._documents import conversation_id_from_config, is_blank, partition_from_config, to_blocks
 from ._marker_limit import MarkerLimitWarning, limited
 from ._model_calls import sendable
 from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, as_sent, written_out
@@ -132,7 +132,12 @@ class ContextPilotMiddleware(AgentMiddleware):
         query = " ".join(str(value) for value in args.values() if isinstance(value, str)) or str(result.content)
         config = getattr(request.runtime, "config", None)
         binding = prepare_bound(
-            self.pilot, to_blocks(documents), query, conversation_id_from_config(config), kept_turns=kept
+            self.pilot,
+            to_blocks(documents),
+            query,
+            conversation_id_from_config(config),
+            kept_turns=kept,
+            partition=partition_from_config(config),
         )
         prepared = binding.prepared
         with self._lock:
@@ -190,6 +195,9 @@ class ContextPilotMiddleware(AgentMiddleware):
         binding, messages = sendable(binding, messages, written, rid)  # rid: this call's tool result
         provider = self._resolve(request.model)
         settings = dict(request.model_settings)
+        inner = getattr(request.model, "llm", request.model)
+        body = {**self._model_kwargs(request.model), **(getattr(inner, "extra_body", None) or {}), **settings}
+        binding = partitioned(binding, body) or binding  # the engine's cache partition it goes to
         if provider is not None:
             messages, settings = mark_bound_call(
                 binding,

@@ -19,7 +19,14 @@ from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import aprepare_bound, prepare_bound
 
 from ._binding import deposit
-from ._documents import EVENT_NAME, conversation_id_from_config, event_data, in_send_order, to_blocks
+from ._documents import (
+    EVENT_NAME,
+    conversation_id_from_config,
+    event_data,
+    in_send_order,
+    partition_from_config,
+    to_blocks,
+)
 
 __all__ = ["ContextPilotRetriever"]
 
@@ -52,10 +59,12 @@ class ContextPilotRetriever(BaseRetriever):
 
     def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         kwargs.setdefault("_cp_conversation", conversation_id_from_config(config) if self.deduplicate else None)
+        kwargs.setdefault("_cp_partition", partition_from_config(config))
         return super().invoke(input, config, **kwargs)
 
     async def ainvoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         kwargs.setdefault("_cp_conversation", conversation_id_from_config(config) if self.deduplicate else None)
+        kwargs.setdefault("_cp_partition", partition_from_config(config))
         return await super().ainvoke(input, config, **kwargs)
 
     def _get_relevant_documents(
@@ -64,12 +73,13 @@ class ContextPilotRetriever(BaseRetriever):
         *,
         run_manager: CallbackManagerForRetrieverRun,
         _cp_conversation: str | None = None,
+        _cp_partition: str | None = None,
         k: int | None = None,
         **kwargs: Any,
     ) -> list[Document]:
         documents = self.base_retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         documents = documents[: k or self.k or len(documents)]
-        binding = prepare_bound(self.pilot, to_blocks(documents), query, _cp_conversation)
+        binding = prepare_bound(self.pilot, to_blocks(documents), query, _cp_conversation, partition=_cp_partition)
         deposit(run_manager, run_manager.run_id, binding)
         dispatch_custom_event(EVENT_NAME, event_data(binding.prepared), config={"callbacks": run_manager.get_child()})
         return in_send_order(binding.prepared, documents)
@@ -80,12 +90,15 @@ class ContextPilotRetriever(BaseRetriever):
         *,
         run_manager: AsyncCallbackManagerForRetrieverRun,
         _cp_conversation: str | None = None,
+        _cp_partition: str | None = None,
         k: int | None = None,
         **kwargs: Any,
     ) -> list[Document]:
         documents = await self.base_retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         documents = documents[: k or self.k or len(documents)]
-        binding = await aprepare_bound(self.pilot, to_blocks(documents), query, _cp_conversation)
+        binding = await aprepare_bound(
+            self.pilot, to_blocks(documents), query, _cp_conversation, partition=_cp_partition
+        )
         deposit(run_manager, run_manager.run_id, binding)
         await adispatch_custom_event(
             EVENT_NAME, event_data(binding.prepared), config={"callbacks": run_manager.get_child()}

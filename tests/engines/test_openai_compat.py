@@ -92,7 +92,7 @@ def test_a_failed_turn_does_not_hide_its_blocks_later() -> None:
     with pytest.raises(EngineUnavailable):
         OpenAICompatClient(f"http://127.0.0.1:{free_port()}", pilot, timeout=2).chat(first)
     second = pilot.prepare(docs("a", "b"), "turn 1", conversation_id="c")
-    assert [b.id for b in second.blocks] == ["b", "a"] and second.references == ()  # both in full, the top last
+    assert [b.id for b in second.blocks] == ["a", "b"] and second.references == ()  # both in full, as without us
 
 
 class _Failing(BaseHTTPRequestHandler):

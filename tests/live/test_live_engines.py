@@ -22,7 +22,7 @@ from contextpilot_integrations.testing.live_engines import (
     EventPath,
     Outcome,
     agreement,
-    require_live_engine,
+    event_path,
     run_scenario,
     serve,
     settle_sink,
@@ -35,13 +35,8 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module", params=PATHS)
 def path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventPath]:
-    name: str = request.param
-    where = require_live_engine(name.split("-")[0], pytest.skip)
-    running = EventPath(name, where, Path(tmp_path_factory.mktemp(name)))
-    try:
+    with event_path(request.param, Path(tmp_path_factory.mktemp(request.param)), pytest.skip) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_the_request_id_reaches_the_engine_and_cached_tokens_come_back(path: EventPath) -> None:

@@ -13,6 +13,7 @@ EXPECTED_ALL = [
     "conversation_id_from_config",
     "format_documents",
     "format_documents_runnable",
+    "partition_from_config",
 ]
 
 

@@ -11,7 +11,7 @@ makes the pilot forget it. Transport failures surface as the core's
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, TextBlock
@@ -20,7 +20,8 @@ from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import EngineError, as_engine_error
-from contextpilot_integrations.pilot.binding import Binding, checked_for_sending
+from contextpilot_integrations.pilot.binding import Binding, checked_for_sending, partitioned
+from contextpilot_integrations.pilot.telemetry import record_model_call
 
 from . import _binding
 
@@ -28,11 +29,15 @@ BINDING_KWARG = "contextpilot_binding"
 """The chat engine names its prepared request to the LLM call explicitly."""
 
 
-def bind(kwargs: dict[str, Any], messages: Sequence[ChatMessage]) -> tuple[Binding | None, list[ChatMessage]]:
-    """The call's prepared request, and the messages to send (every reference resolvable)."""
+def bind(
+    kwargs: dict[str, Any], messages: Sequence[ChatMessage], fields: Mapping[str, Any] | None = None
+) -> tuple[Binding | None, list[ChatMessage]]:
+    """The call's prepared request (in the cache partition its body ``fields`` name), and the
+    messages to send (every reference resolvable)."""
     binding = kwargs.pop(BINDING_KWARG, None)
     if binding is None:
         binding = _binding.take()
+    binding = partitioned(binding, {**(fields or {}), **(kwargs.get("extra_body") or {}), **kwargs})
     messages = list(messages)
     if binding is None:
         return None, messages
@@ -41,9 +46,11 @@ def bind(kwargs: dict[str, Any], messages: Sequence[ChatMessage]) -> tuple[Bindi
     return binding, _rebuilt(messages, segments, places)
 
 
-def bind_prompt(kwargs: dict[str, Any], prompt: str) -> tuple[Binding | None, str]:
+def bind_prompt(
+    kwargs: dict[str, Any], prompt: str, fields: Mapping[str, Any] | None = None
+) -> tuple[Binding | None, str]:
     """:func:`bind` for a completion prompt."""
-    binding, messages = bind(kwargs, [ChatMessage(role="user", content=prompt)])
+    binding, messages = bind(kwargs, [ChatMessage(role="user", content=prompt)], fields)
     return binding, messages[0].content or ""
 
 
@@ -110,6 +117,7 @@ def report(
             input_ids=prompt_ids,
             block_ends=ends,
         )
+        record_model_call(binding.prepared, raw, input_tokens=prompt, cache_read_tokens=cached)  # [otel] extra
     return cached
 
 

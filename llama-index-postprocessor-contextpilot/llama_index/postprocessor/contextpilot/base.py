@@ -144,6 +144,9 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     annotate_query: bool = True
     """Append the order annotation to the query string (the QA template shows it after the context)."""
+    partition: str | None = None
+    """The engine's cache partition its queries go to (:func:`~contextpilot_integrations.cache_partition`:
+    a tenant's ``cache_salt``, a LoRA adapter); an LLM call whose body names another moves it there."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -159,7 +162,7 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
         if not nodes:
             return []
         query = query_bundle.query_str if query_bundle else ""
-        binding = prepare_bound(self.pilot, to_blocks(nodes), query)
+        binding = prepare_bound(self.pilot, to_blocks(nodes), query, partition=self.partition)
         deposit(binding)
         prepared = binding.prepared
         emit(prepared, nodes)

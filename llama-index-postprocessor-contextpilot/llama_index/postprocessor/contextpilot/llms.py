@@ -31,6 +31,7 @@ from llama_index.llms.openai_like import OpenAILike
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.engine_info import learn_engine_in_background
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
 from contextpilot_integrations.integration.hosted_feedback import report_provider_served
@@ -51,6 +52,8 @@ class _Reports:
 
     event_sink: Any
     usage_feedback: bool | None
+    engine: str | None
+    discover: bool | None
 
     def _feedback(self) -> bool:
         return self.event_sink is None if self.usage_feedback is None else self.usage_feedback
@@ -59,9 +62,33 @@ class _Reports:
         """The core client's tokenizer of blocks, where the engine has ``/tokenize``."""
         return None
 
+    def _body_fields(self) -> dict[str, Any]:
+        """The request body's own fields beside the messages (a ``cache_salt`` there names the
+        engine's cache partition: :func:`~contextpilot_integrations.partition_of_body`)."""
+        llm = getattr(self, "llm", self)
+        extra = dict(getattr(llm, "additional_kwargs", None) or {})
+        return {**extra, **(extra.get("extra_body") or {})}
+
+    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
+        """The engine's URL (``None``: no engine), model and headers."""
+        return None, "default", {}
+
+    def _learn_engine(self, binding: Binding | None) -> None:
+        """Once per pilot and engine, on a thread of its own: the engine's page size, KV pool
+        and tokenizer for the request's pilot, where its user left them unset (see
+        :mod:`contextpilot_integrations.engines.engine_info`; ``discover=False``: never)."""
+        if binding is None or self.engine is None or self.discover is False:
+            return
+        url, model, headers = self._engine_access()
+        if url:
+            learn_engine_in_background(
+                binding.pilot, url, engine=self.engine, model=model, headers=headers, discover=self.discover
+            )
+
     def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
         if response is None:
             return None
+        self._learn_engine(binding)  # once: the engine's page and tokenizer, for the next requests
         tokenizer = self._block_tokenizer() if self.event_sink is not None and binding is not None else None
         cached = _llm_calls.report(
             binding,
@@ -132,6 +159,12 @@ class ContextPilotLLM(_Reports, LLM):
     engine: str | None = Field(default=None, description="sglang, vllm: body fields for the request id.")
     event_sink: Any = Field(default=None, exclude=True)
     usage_feedback: bool | None = None
+    discover: bool | None = Field(
+        default=None,
+        description="With engine=: after the first answer, the request's pilot reads the engine's page size, KV "
+        "pool and tokenizer (at the llm's api_base), once, where its user left them unset (default: on unless "
+        "CONTEXTPILOT_DISCOVER_ENGINE=0; False: never).",
+    )
     provider: str | None = Field(
         default="auto",
         description="The hosted API whose prompt cache to mark (openai, anthropic); auto: from the wrapped "
@@ -167,6 +200,12 @@ class ContextPilotLLM(_Reports, LLM):
     def metadata(self) -> LLMMetadata:
         return self.llm.metadata  # type: ignore[no-any-return]
 
+    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
+        url = getattr(self.llm, "api_base", None)
+        key = getattr(self.llm, "api_key", None)
+        headers = {"Authorization": f"Bearer {key}"} if isinstance(key, str) and key else {}
+        return (url if isinstance(url, str) else None), str(getattr(self.llm, "model", None) or "default"), headers
+
     def _streaming(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Ask an OpenAI-compatible model for usage at the end of a stream."""
         if _is_openai(self.llm):
@@ -192,7 +231,7 @@ class ContextPilotLLM(_Reports, LLM):
         self, kwargs: dict[str, Any], messages: Sequence[ChatMessage]
     ) -> tuple[Binding | None, list[ChatMessage], dict[str, Any]]:
         """The call's prepared request, and the messages and arguments to send (markers placed)."""
-        binding, sent = _llm_calls.bind(kwargs, messages)
+        binding, sent = _llm_calls.bind(kwargs, messages, self._body_fields())
         provider = self._hosted()
         if binding is None or provider is None:
             return binding, sent, kwargs
@@ -267,7 +306,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._astreamed(binding, stream)
 
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
         try:
             response = self.llm.complete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
         except Exception as exc:
@@ -275,7 +314,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._done(binding, response)  # type: ignore[no-any-return]
 
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
         try:
             response = await self.llm.acomplete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
         except BaseException as exc:
@@ -283,7 +322,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._done(binding, response)  # type: ignore[no-any-return]
 
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
         try:
             stream = self.llm.stream_complete(
                 sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
@@ -293,7 +332,7 @@ class ContextPilotLLM(_Reports, LLM):
         return self._streamed(binding, stream)
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt)
+        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
         try:
             stream = await self.llm.astream_complete(
                 sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
@@ -336,6 +375,10 @@ class SGLangLLM(_Reports, OpenAILike):
     """Where prompt token ids go for KV-event mapping (``listener.sink``)."""
     usage_feedback: bool | None = None
     """Report cached-token shortfalls to the index (default: on without ``event_sink``)."""
+    discover: bool | None = None
+    """After the first answer, the request's pilot reads the engine's page size, KV pool and
+    tokenizer, once, where its user left them unset (default: on unless
+    ``CONTEXTPILOT_DISCOVER_ENGINE=0``; ``False``: never)."""
     engine: str | None = "sglang"
     """``sglang``, ``vllm``, ``llamacpp`` or ``openai``: which body fields carry the id."""
     slot: int | None = None
@@ -365,6 +408,10 @@ class SGLangLLM(_Reports, OpenAILike):
     def class_name(cls) -> str:
         return "SGLangLLM"
 
+    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return self.api_base or None, self.model, headers
+
     def _block_tokenizer(self) -> BlockTokenizer | None:
         """Block ends for ``event_sink`` (exact mapping): each distinct block tokenized once
         by the engine (SGLang, vLLM); called on the thread that finished the call."""
@@ -391,7 +438,7 @@ class SGLangLLM(_Reports, OpenAILike):
     def _bind(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
     ) -> tuple[Binding | None, list[ChatMessage]]:
-        binding, sent = _llm_calls.bind(kwargs, messages)
+        binding, sent = _llm_calls.bind(kwargs, messages, self._body_fields())
         kwargs[_RID_KWARG] = _llm_calls.request_id(binding)
         return binding, sent
 
