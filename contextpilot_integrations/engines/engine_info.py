@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -385,7 +386,11 @@ async def aread_engine_info(
                     found.append(counter)
 
     try:
-        await asyncio.wait_for(read(), seconds)
+        if sys.version_info >= (3, 11):  # no inner task: a caller's cancellation is never lost (3.11's wait_for)
+            async with asyncio.timeout(seconds):
+                await read()
+        else:  # pragma: no cover - Python 3.10
+            await asyncio.wait_for(read(), seconds)
     except asyncio.TimeoutError:
         reading.notes.append("out of time")
     return reading.info(found[0] if found else None, tokenizer)
