@@ -164,17 +164,24 @@ def leading_reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, 
     blocks (reused now) in full, then each block as much as the chance that a later
     request carries it and every block before it (a prefix cache reuses only a common
     prefix); the run ends where that chance is negligible."""
-    total = 0.0
+    return _reuse(order, tokens, cached, chance)[1]
+
+
+def _reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Chance) -> tuple[int, float]:
+    """(tokens reused now, :func:`leading_reuse`), in one pass: a hot path."""
+    now = sum(map(tokens.__getitem__, order[:cached]))
+    if isinstance(chance, Cooccurrence):  # the usual case, without a call per block
+        return now, chance.carry(order, tokens, cached, float(now))
+    total = float(now)
     carried = 1.0
-    previous: str | None = None
-    for position, key in enumerate(order):
-        if position >= cached:
-            carried *= min(chance(previous, key), 1.0)
-            if carried < _NEGLIGIBLE:
-                break
+    previous = order[cached - 1] if cached else None
+    for key in order[cached:]:
+        carried *= min(chance(previous, key), 1.0)
+        if carried < _NEGLIGIBLE:
+            break
         total += carried * tokens[key]
         previous = key
-    return total
+    return now, total
 
 
 _NEGLIGIBLE = 1e-3
@@ -291,37 +298,37 @@ def choose_order(
             the engine more). Online the score (:class:`Balance`) charges it when the
             follower goes out.
     """
-    size = sum(tokens[key] for key in retrieval) + prompt_tokens
+    size = sum(map(tokens.__getitem__, retrieval)) + prompt_tokens if cache_tokens is not None else 0
     bets = budget > 0
     one_text = form != "labels" and plain_ok
     margin = page_margin(page_tokens)
-    candidates: list[tuple[float, float, float, Choice]] = []  # (value, value now, reuse now, choice)
-
-    def add(order: Sequence[str], labelled: bool, ahead: Chance | None, cost: int) -> None:
+    sends: list[tuple[Sequence[str], bool, Chance | None, int]] = []  # (order, labelled, chance ahead, cost)
+    if plain_ok:  # as without ContextPilot
+        sends.append((retrieval, False, (retrieval_chance or chance) if one_text else None, 0))
+    if not one_text:  # labelled, in the retriever's order
+        sends.append((retrieval, True, None if plain_ok else retrieval_chance or chance, label_cost))
+    if list(proposed) != list(retrieval):
+        sends.append((proposed, not one_text, chance, annotation_cost + (0 if one_text else label_cost)))
+    values: list[tuple[float, float, int, bool]] = []  # (value, value now, reuse now, fits)
+    for position, (order, labelled, ahead, cost) in enumerate(sends):
         fits = cache_tokens is None or size + cost <= cache_tokens  # else it leaves nothing cached
-        cached = matched(order, labelled)
-        now = sum(tokens[key] for key in order[:cached])
-        value = kept * leading_reuse(order, tokens, cached, ahead if ahead and fits and bets else _never)
+        now, reuse = _reuse(order, tokens, matched(order, labelled), ahead if ahead and fits and bets else _never)
+        value = kept * reuse
         if follow_cost and value > kept * now:  # what the follower pays to line up
             value -= min(value - kept * now, follow_cost)
-        if margin and candidates:  # every send but the first (the retriever's order, as it goes out)
+        if margin and position:  # every send but the first (the retriever's order, as it goes out)
             cost += margin
-        candidates.append((value - cost, kept * now - cost, now, Choice(list(order), labelled, fits)))
-
-    if plain_ok:  # as without ContextPilot
-        add(retrieval, False, (retrieval_chance or chance) if one_text else None, 0)
-    if not one_text:  # labelled, in the retriever's order
-        add(retrieval, True, None if plain_ok else retrieval_chance or chance, label_cost)
-    if list(proposed) != list(retrieval):
-        add(proposed, not one_text, chance, annotation_cost + (0 if one_text else label_cost))
-    paid_now = max(now_value for _, now_value, _, _ in candidates)
-    affordable = [c for c in candidates if paid_now - c[1] <= budget]  # a bet loses at most the budget now
-    best = max(value for value, _, _, _ in affordable)
-    _, now_value, _, choice = next(candidate for candidate in affordable if candidate[0] == best)
-    base = candidates[0][2]  # what the retriever's order reuses now, as it would go out
-    if choice is not candidates[0][3]:
+        values.append((value - cost, kept * now - cost, now, fits))
+    paid_now = max(value[1] for value in values)
+    best, pick = -math.inf, 0
+    for position, (value, now_value, _, _) in enumerate(values):  # a bet loses at most the budget now
+        if paid_now - now_value <= budget and value > best:
+            best, pick = value, position
+    order, labelled, _, _ = sends[pick]
+    now_value, fits = values[pick][1], values[pick][3]
+    if pick:
         now_value += margin  # a margin for the worst case, not tokens spent
-    return Choice(choice.order, choice.labels, choice.cached, now_value - kept * base)  # not replace(): a hot path
+    return Choice(list(order), labelled, fits, now_value - kept * values[0][2])  # not replace(): a hot path
 
 
 def page_margin(page_tokens: int) -> int:
@@ -358,6 +365,27 @@ class Cooccurrence:
             return n / (n + 1)
         n = self._seen.get(previous, 0)
         return self._follows.get((previous, key), 0) / n if n else 0.0
+
+    __call__ = chance  # a Cooccurrence is a Chance
+
+    def carry(self, order: Sequence[str], tokens: Mapping[str, int], cached: int, total: float) -> float:
+        """``total`` plus the later reuse of ``order`` after its first ``cached`` blocks, as
+        :func:`leading_reuse` weighs it (this class's :meth:`chance`, inlined: a hot path)."""
+        seen, follows = self._seen, self._follows
+        carried = 1.0
+        previous = order[cached - 1] if cached else None
+        for key in order[cached:]:
+            if previous is None:
+                n = seen.get(key, 0)
+                carried *= n / (n + 1)
+            else:
+                n = seen.get(previous, 0)
+                carried *= follows.get((previous, key), 0) / n if n else 0.0  # a pair never outnumbers its first
+            if carried < _NEGLIGIBLE:
+                break
+            total += carried * tokens[key]
+            previous = key
+        return total
 
     def record(self, order: Sequence[str], previous: str | None = None) -> None:
         """One request went out with its blocks in this order (``previous``: the block before

@@ -328,7 +328,7 @@ class Planner:
             matched=lambda keys, labelled: trie.match_length(
                 labelled_keys(keys, partition) if labelled else plain_keys(keys, partition)
             ),
-            chance=chance or self.outlook.cooccurrence.chance,
+            chance=chance or self.outlook.cooccurrence,
             annotation_cost=annotation,
             label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
             form=self.order_form,
@@ -337,7 +337,7 @@ class Planner:
             plain_ok=self.plain_prompts,
             kept=self.outlook.retention.share_or(0.0 if concurrent else 1.0),
             budget=budget if bets else 0.0,
-            retrieval_chance=self.outlook.cooccurrence.chance,
+            retrieval_chance=self.outlook.cooccurrence,
             prompt_tokens=count(self.templates.question.format(query=query)) if self.cache_tokens else 0,
             follow_cost=annotation if chance is not None and not concurrent else 0,
         )
