@@ -588,7 +588,8 @@ def _notes(workload: Workload, rows: Sequence[Row]) -> list[str]:
         if r.oversized_requests and not row.baseline:
             notes.append(
                 f"{r.mode} at {row.fraction:.0%} ({r.capacity_tokens:,} tokens): {r.oversized_requests:,} prompts are "
-                "larger than the cache, and a request larger than the cache is never cached"
+                "larger than the cache, and a request larger than the cache is never cached (no engine runs "
+                "there: vLLM and SGLang refuse a prompt longer than their KV cache; ordering can lose there by chance)"
             )
     return list(dict.fromkeys(notes))
 
