@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.whatif.cli import main
-from contextpilot_integrations.whatif.replay import Mode, PromptShape, prompt_units, replay
+from contextpilot_integrations.whatif.replay import Feedback, Mode, PromptShape, prompt_units, replay
 from contextpilot_integrations.whatif.synthetic import FAMILIES, Family, SyntheticError, generate
 from contextpilot_integrations.whatif.trace import (
     check_conversations,
@@ -167,6 +167,43 @@ def test_contextpilot_never_computes_more_than_retrieval_order(
     assert ours <= without, (
         f"{mode} at {fraction:.1%}: {ours:,} > {without:,} prefill tokens ({ours / without - 1:+.1%})"
     )
+
+
+@st.composite
+def tiny_families(draw: st.DrawFn) -> Family:
+    """Facts read in pieces of 1-12 tokens, 1-20 a request (issue 42: a new user's first try)."""
+    low = draw(st.integers(1, 6))
+    few = draw(st.integers(1, 20))
+    return replace(
+        draw(families()),
+        block_tokens=(low, draw(st.integers(low, 12))),
+        blocks=(few, draw(st.integers(few, 20))),
+        topic_blocks=draw(st.integers(30, 120)),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(
+    spec=tiny_families(),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["offline", "online", "chat"]),
+    feedback=st.sampled_from(["none", "usage", "request", "exact"]),
+    fraction=st.floats(0.01, 1.0),
+)
+def test_tiny_blocks_never_compute_more_where_an_engine_runs(
+    spec: Family, seed: int, mode: Mode, feedback: Feedback, fraction: float
+) -> None:
+    """Every mode and feedback setting, blocks of 1-12 tokens, a cache that holds at least the
+    longest prompt (vLLM and SGLang refuse a prompt longer than their KV cache; below that
+    the simulator's cells are a coin toss, see docs/benchmarks.md "Toward the limits")."""
+    trace = generate(spec, seed=seed)
+    shape = PromptShape()
+    whole = replay(trace, "retrieval", mode, None, shape=shape, deduplicate=False)
+    base = whole.held_tokens if mode == "chat" else working_set_tokens(trace)
+    capacity = max(int(base * fraction), whole.max_prompt_tokens)
+    without = replay(trace, "retrieval", mode, capacity, shape=shape, deduplicate=False, feedback=feedback)
+    ours = replay(trace, "trie", mode, capacity, shape=shape, feedback=feedback)
+    assert ours.prefill_tokens <= without.prefill_tokens, (mode, feedback, capacity)
 
 
 # ---- chat over the family: a reference only where it costs less, nothing bet (issue 29) ------------
