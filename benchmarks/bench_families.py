@@ -8,7 +8,9 @@ prompt token counted: system, history, blocks, labels, references, annotation, q
 without ContextPilot (retrieval order, no labels, no annotation, every block resent) and
 with it (the default strategy), side by side, their ratio, and WORSE where ContextPilot
 computes more. ``--upstream`` adds the published ``contextpilot`` 0.5.0's orders
-(offline and online, served with the same prompts; see ``bench_upstream.py``).
+(offline and online, served with the same prompts; see ``bench_upstream.py``) and, like for
+like (upstream moves the top block), ours with ``keep_top=False`` and the tokens it saves
+over the tokens upstream saves.
 
 The README's family table is this script's output at the default sizes.
 
@@ -40,6 +42,8 @@ class Cell:
     without: int
     with_contextpilot: int
     upstream: int | None = None
+    top_free: int | None = None
+    """With ContextPilot(keep_top=False): the top block anywhere, as upstream puts it."""
 
     @property
     def ratio(self) -> float:
@@ -63,26 +67,31 @@ def cells(
             capacity = max(1, int(base * fraction))
             without = replay(trace, "retrieval", mode, capacity, shape=shape, deduplicate=False)  # type: ignore[arg-type]
             ours = replay(trace, "trie", mode, capacity, shape=shape)  # type: ignore[arg-type]
-            theirs = None
+            theirs = free = None
             if upstream is not None and mode != "chat":
                 orders = upstream[mode]
                 sends = [(i, order) for i, order in orders] if mode == "offline" else list(enumerate(orders))
                 theirs = serve_orders(trace, sends, capacity, shape).prefill_tokens
-            out.append(Cell(name, mode, fraction, without.prefill_tokens, ours.prefill_tokens, theirs))
+                free = replay(trace, "trie", mode, capacity, shape=shape, keep_top=False).prefill_tokens  # type: ignore[arg-type]
+            out.append(Cell(name, mode, fraction, without.prefill_tokens, ours.prefill_tokens, theirs, free))
             print(f"  {name} {mode} {fraction:.0%}: done", file=sys.stderr, flush=True)
     return out
 
 
 def print_cells(rows: list[Cell], upstream: bool) -> None:
     head = f"{'family':<16}{'mode':<9}{'capacity':>9}{'without':>13}{'with CP':>13}{'ratio':>8}"
-    head += f"{'upstream 0.5.0':>16}" if upstream else ""
+    head += f"{'upstream 0.5.0':>16}{'top free':>12}{'saved: free / upstream':>24}" if upstream else ""
     print("\nprefill tokens (prompt tokens not cached), without ContextPilot and with it; ratio = with / without")
     print(head)
     print("-" * (len(head) + 6))
     for r in rows:
         line = f"{r.family:<16}{r.mode:<9}{r.capacity:>9.0%}{r.without:>13,}{r.with_contextpilot:>13,}{r.ratio:>8.3f}"
         if upstream:
-            line += f"{r.upstream:>16,}" if r.upstream is not None else f"{'-':>16}"
+            if r.upstream is not None and r.top_free is not None:
+                saved = (r.without - r.top_free) / max(r.without - r.upstream, 1)
+                line += f"{r.upstream:>16,}{r.top_free:>12,}{saved:>23.2f}x"
+            else:
+                line += f"{'-':>16}{'-':>12}{'-':>24}"
         print(line + ("  WORSE" if r.with_contextpilot > r.without else ""))
     worse = [r for r in rows if r.with_contextpilot > r.without]
     print(f"\n{len(worse)} of {len(rows)} cells worse than retrieval order")
