@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contextpilot_integrations.whatif.replay import PromptShape, replay, serve_orders
+from contextpilot_integrations.whatif.replay import PromptShape, arrival_order, replay, serve_orders
 from contextpilot_integrations.whatif.synthetic import FAMILIES, generate
 from contextpilot_integrations.whatif.trace import TraceRequest, working_set_tokens
 
@@ -69,9 +69,7 @@ def cells(
             ours = replay(trace, "trie", mode, capacity, shape=shape)  # type: ignore[arg-type]
             theirs = free = None
             if upstream is not None and mode != "chat":
-                orders = upstream[mode]
-                sends = [(i, order) for i, order in orders] if mode == "offline" else list(enumerate(orders))
-                theirs = serve_orders(trace, sends, capacity, shape).prefill_tokens
+                theirs = serve_orders(trace, upstream[mode], capacity, shape).prefill_tokens
                 free = replay(trace, "trie", mode, capacity, shape=shape, keep_top=False).prefill_tokens  # type: ignore[arg-type]
             out.append(Cell(name, mode, fraction, without.prefill_tokens, ours.prefill_tokens, theirs, free))
             print(f"  {name} {mode} {fraction:.0%}: done", file=sys.stderr, flush=True)
@@ -121,8 +119,12 @@ def main() -> int:
         if args.upstream:
             from bench_upstream import run_upstream  # the same throwaway environment and runner
 
-            raw = run_upstream(trace)
-            theirs = {"offline": [(i, order) for i, order in raw["offline"]], "online": raw["online"]}
+            arrival = arrival_order(trace, "interleave")  # as requests reach ours online (replay's default)
+            raw = run_upstream([trace[i] for i in arrival])
+            theirs = {
+                "offline": [(arrival[i], order) for i, order in raw["offline"]],
+                "online": list(zip(arrival, raw["online"], strict=True)),
+            }
         rows += cells(name, trace, modes, fractions, theirs)
     if args.json:
         print(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2))
