@@ -140,24 +140,43 @@ def neighbourhoods(name: str, sets: list[frozenset[str]], tokens: dict[str, int]
     )
 
 
-def best_head(cache: RadixCacheSimulator, keys: set[str]) -> list[str]:
-    """The longest cached path made only of these blocks (exhaustive)."""
-    best: list[str] = []
-    stack = [(cache.root, [])]
+def best_head(cache: RadixCacheSimulator, keys: set, required: Sequence = ()) -> list:
+    """The longest cached path that starts with ``required`` and goes on only through
+    ``keys`` (exhaustive; ``[]`` when no cached path starts with ``required``)."""
+    best: list = []
+    stack: list[tuple[object, list]] = [(cache.root, [])]
     while stack:
         node, path = stack.pop()
-        if len(path) > len(best):
-            best = path
-        for child in node.children.values():
+        for child in node.children.values():  # type: ignore[attr-defined]
             run = [k for k, _ in child.blocks]
             taken = 0
-            while taken < len(run) and run[taken] in keys:
+            while taken < len(run):
+                depth = len(path) + taken
+                if not (run[taken] == required[depth] if depth < len(required) else run[taken] in keys):
+                    break
                 taken += 1
             if taken == len(run):
                 stack.append((child, path + run))
-            elif len(path) + taken > len(best):
+            if len(path) + taken > len(best) and len(path) + taken >= len(required):
                 best = path + run[:taken]
     return best
+
+
+def lookahead_tail(
+    rest: list[str], future: list[frozenset[str]], tokens: dict[str, int], seen: Counter[str]
+) -> list[str]:
+    """``rest`` ordered for the requests ahead: one at a time, the block most of the
+    ``future`` requests that can still follow carry (by tokens), then the others by how
+    often they were seen."""
+    rest, tail = list(rest), []
+    while rest and future:
+        pick = max(rest, key=lambda k: (sum(tokens[k] for s in future if k in s), seen[k]))
+        future = [s for s in future if pick in s]
+        if not future:
+            break
+        tail.append(pick)
+        rest.remove(pick)
+    return tail + sorted(rest, key=lambda k: -seen[k])
 
 
 def oracle_online(trace: Sequence[TraceRequest], tokens: dict[str, int], capacity: int, window: int) -> float:
@@ -170,16 +189,7 @@ def oracle_online(trace: Sequence[TraceRequest], tokens: dict[str, int], capacit
         seen.update(request.blocks)
         head = best_head(cache, set(request.blocks))
         future = [s for s in sets[i + 1 : i + 1 + window] if s.issuperset(head)]
-        rest = [k for k in request.blocks if k not in set(head)]
-        tail: list[str] = []
-        while rest and future:
-            pick = max(rest, key=lambda k: (sum(tokens[k] for s in future if k in s), seen[k]))
-            future = [s for s in future if pick in s]
-            if not future:
-                break
-            tail.append(pick)
-            rest.remove(pick)
-        tail += sorted(rest, key=lambda k: -seen[k])
+        tail = lookahead_tail([k for k in request.blocks if k not in set(head)], future, tokens, seen)
         served = cache.request(request.id, [(k, tokens[k]) for k in head + tail])
         hit += served.hit_tokens
         total += served.block_tokens

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, MicroBatcher
-from contextpilot_integrations.core.gain import Balance, Cooccurrence, Retention, choose_order, label_tokens
+from contextpilot_integrations.core.gain import (
+    Balance,
+    Cooccurrence,
+    Retention,
+    choose_order,
+    label_tokens,
+    leading_reuse,
+)
 from contextpilot_integrations.pilot import BatchRequest
 
 
@@ -369,3 +376,24 @@ def test_a_request_outside_a_conversation_follows_the_prefix_a_conversation_left
     other = pilot.prepare([doc("b"), doc("a"), doc("d")], "q")
     assert not other.labels and [b.id for b in other.blocks] == ["a", "b", "d"] and other.cached_blocks == 2
     assert other.order_annotation == "Context in priority order, by position: #2 > #1 > #3."
+
+
+@given(
+    st.lists(st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=6, unique=True), min_size=1, max_size=30),
+    st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=8, unique=True),
+    st.integers(0, 8),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_inlined_later_reuse_weighs_as_the_chance_it_inlines(
+    sent: list[list[str]], order: list[str], cached: int
+) -> None:
+    """:meth:`Cooccurrence.carry` (the hot path) and the loop over any :data:`Chance` agree."""
+    seen = Cooccurrence(max_pairs=8)  # small: halving takes part too
+    for send in sent:
+        seen.record(send)
+    tokens = {key: 10 + ord(key) for key in order}
+    cached = min(cached, len(order))
+    inlined = leading_reuse(order, tokens, cached, seen)
+    called = leading_reuse(order, tokens, cached, seen.chance)  # a bound method: not a Cooccurrence
+    assert inlined == pytest.approx(called)
+    assert inlined >= sum(tokens[key] for key in order[:cached])

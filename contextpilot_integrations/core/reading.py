@@ -33,6 +33,8 @@ __all__ = ["top_first", "top_last"]
 
 def top_first(order: Sequence[str], top: str) -> list[str]:
     """``order`` with ``top`` moved first (the others keep their order)."""
+    if order and order[0] == top:  # the usual case: already first
+        return list(order)
     return [top, *(key for key in order if key != top)] if top in order else list(order)
 
 

@@ -86,7 +86,7 @@ class PrefixTrie(Generic[K]):
         best: tuple[K, ...] = ()
         if first is not None:
             child = self.root.children.get(first)
-            if child is None:
+            if child is None or not child.children:  # nothing live follows it: the usual case
                 return [first]
             start, best = child, (first,)
         budget = self.max_search_nodes

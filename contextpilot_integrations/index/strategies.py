@@ -14,6 +14,7 @@ time) and of a whole batch (offline). What the engine holds is tracked separatel
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -141,15 +142,10 @@ class TrieStrategy(Strategy):
 
     def _count(self, keys: Sequence[str]) -> None:
         requested = self._requested
-        get = requested.get
-        recurring = 0
-        for key in keys:  # a plain dict and a loop: a third faster than Counter.update here
-            n = get(key, 0)
-            if n:
-                recurring += 1
-            requested[key] = n + 1
+        known = len(requested)
+        _count_elements(requested, keys)  # Counter.update's own C loop, without its checks
         self._blocks_counted += len(keys)
-        self._blocks_recurring += recurring
+        self._blocks_recurring += len(keys) - (len(requested) - known)  # each key not new to the map
         if len(requested) > self.max_tracked_blocks:
             self._decay()
 
@@ -171,7 +167,7 @@ class TrieStrategy(Strategy):
         head = self.trie.best_prefix(keys, first)
         requested = self._requested
         if len(head) == 1 and keys and head[0] == keys[0]:  # the usual case: only the top block
-            tail = list(keys[1:])
+            tail = keys[1:] if isinstance(keys, list) else list(keys[1:])
         else:
             taken = set(head)
             tail = [key for key in keys if key not in taken]

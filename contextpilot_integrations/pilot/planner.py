@@ -319,7 +319,9 @@ class Planner:
         annotation = 0
         if self.annotate_order and order != keys:
             form: Form = self.order_form if one_text else "labels"
-            annotation = annotation_tokens(ranking, self.templates, [by_id[key] for key in order], form, count)
+            # in the positions form any permutation has the same annotation: no need to map the order
+            order_blocks = ranking if form == "positions" else [by_id[key] for key in order]
+            annotation = annotation_tokens(ranking, self.templates, order_blocks, form, count)
         budget = math.inf if chance is not None and not concurrent else self.outlook.balance.budget
         return choose_order(
             order,
