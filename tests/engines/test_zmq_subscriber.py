@@ -8,9 +8,11 @@ the engine's own replay socket can be tested deterministically.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -25,6 +27,13 @@ from contextpilot_integrations.engines import EngineBlockMap, KvEventSink
 from contextpilot_integrations.engines.zmq_subscriber import ZmqEventSubscriber
 from contextpilot_integrations.testing.llama_server import free_port
 from tests.sglang_support import block_workload, build_cache, import_sglang, layout, match_tokens, serve_tokens
+
+
+def listening(port: int) -> bool:
+    """Whether something still listens on 127.0.0.1:``port``."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
 
 
 def wait_until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
@@ -284,6 +293,7 @@ def test_a_restarted_engine_resets_the_index_and_its_new_stream_is_applied(ports
 
     def start_engine() -> tuple[object, object, object]:
         cache, allocator = build_cache("unified-rust", capacity=400)
+        wait_until(lambda: not any(map(listening, ports)))  # the old engine's sockets close asynchronously
         publisher = ZmqEventPublisher(attn_dp_rank=0, bind=True, **where)
         time.sleep(0.5)  # the subscriber (re)connects
         publisher.publish(KVEventBatch(ts=time.time(), events=cache.take_events()))  # seq 0: AllBlocksCleared
