@@ -169,7 +169,7 @@ def leading_reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, 
 
 def _reuse(order: Sequence[str], tokens: Mapping[str, int], cached: int, chance: Chance) -> tuple[int, float]:
     """(tokens reused now, :func:`leading_reuse`), in one pass: a hot path."""
-    now = sum(map(tokens.__getitem__, order[:cached]))
+    now = sum(map(tokens.__getitem__, order[:cached])) if cached else 0
     if isinstance(chance, Cooccurrence):  # the usual case, without a call per block
         return now, chance.carry(order, tokens, cached, float(now))
     total = float(now)

@@ -323,13 +323,18 @@ class Planner:
             order_blocks = ranking if form == "positions" else [by_id[key] for key in order]
             annotation = annotation_tokens(ranking, self.templates, order_blocks, form, count)
         budget = math.inf if chance is not None and not concurrent else self.outlook.balance.budget
+        as_is = partition is None and "\x00" not in "".join(keys)  # ids are their own index keys (the usual case)
+
+        def matched(order: Sequence[str], labelled: bool) -> int:
+            if labelled:
+                return trie.match_length(labelled_keys(order, partition))
+            return trie.match_length(order if as_is else plain_keys(order, partition))
+
         return choose_order(
             order,
             keys,
             {key: by_id[key].token_count for key in keys},
-            matched=lambda keys, labelled: trie.match_length(
-                labelled_keys(keys, partition) if labelled else plain_keys(keys, partition)
-            ),
+            matched=matched,
             chance=chance or self.outlook.cooccurrence,
             annotation_cost=annotation,
             label_cost=0 if one_text else label_tokens([by_id[key] for key in keys], self.templates, count),
