@@ -20,7 +20,11 @@ each cache capacity (a share of the working set), one request at a time in arriv
   for the default.
 
 ``--feedback`` adds our two settings under other eviction feedback (``replay``'s ``none``,
-``usage``, ``exact``; ``request`` is the default and always measured).
+``usage``, ``exact``; ``request`` is the default and always measured). ``--windows`` adds
+micro-batching: every N arriving requests planned together (ours: ``replay(window=N)``, each
+window a ``plan`` on the live pilot; upstream: one ``reorder`` call a window on its live
+index) and served in the plan's schedule. Requests wait for their window: not one at a
+time, so the bound above does not hold for them.
 
 Every plan is served by the same cache simulator with the same prompts (system prompt,
 blocks as their text alone, question); upstream's orders and the oracle's through
@@ -28,14 +32,16 @@ blocks as their text alone, question); upstream's orders and the oracle's throug
 
 Usage: python benchmarks/bench_online.py [--families memory-snippets,...,multihop]
        [--capacity 0.01,0.05,0.25,1] [--feedback none,usage,exact] [--window 30]
-       [--no-oracle] [--requests N] [--seed 0] [--json]
+       [--windows 8,32] [--no-oracle] [--requests N] [--seed 0] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_bounds import best_head, lookahead_tail
 from bench_families import capacity_base
-from bench_upstream import run_upstream
+from bench_upstream import run_upstream, upstream_python
 
 from contextpilot_integrations import Block
 from contextpilot_integrations.core.prepared import PreparedRequest
@@ -87,6 +93,8 @@ class Row:
     bound_free: int = 0
     feedback: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Other feedback settings: (default, free) tokens saved."""
+    windows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Micro-batching windows (requests planned together): (default, free, upstream) tokens saved."""
 
     def over(self, saved: int | None) -> float | None:
         if saved is None:
@@ -107,6 +115,44 @@ def upstream_online(trace: Sequence[TraceRequest], arrival: list[int]) -> Orders
     """Upstream's online orders (one ``reorder`` call a request, in arrival order)."""
     raw = run_upstream([trace[i] for i in arrival])
     return list(zip(arrival, raw["online"], strict=True))
+
+
+WINDOWS_RUNNER = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from contextpilot.server.live_index import ContextPilot  # the public class
+
+contexts, size = json.load(open(sys.argv[1])), int(sys.argv[3])
+pilot = ContextPilot(use_gpu=False)  # one live index, one reorder() call a window
+sent = []  # [position in the arrival order, order], in send order
+for start in range(0, len(contexts), size):
+    window = [list(map(str, c)) for c in contexts[start : start + size]]
+    try:
+        got, schedule = pilot.reorder([list(c) for c in window])
+    except Exception:  # keep the retrieval order and the arrival order
+        got, schedule = window, list(range(len(window)))
+    # the first call returns contexts in schedule order, later ones in input order: match by blocks
+    by_blocks = {}
+    for context in got:
+        by_blocks.setdefault(frozenset(map(str, context)), []).append(list(map(str, context)))
+    orders = [(by_blocks.get(frozenset(c)) or [c]).pop() for c in window]
+    if sorted(schedule) != list(range(len(window))):
+        schedule = list(range(len(window)))
+    sent += [[start + i, orders[i]] for i in schedule]
+json.dump(sent, open(sys.argv[2], "w"))
+"""
+
+
+def upstream_windows(trace: Sequence[TraceRequest], arrival: list[int], size: int) -> Orders:
+    """Upstream's orders and schedule when every ``size`` arriving requests go to one
+    ``reorder`` call on its live index (its batch API, as a micro-batch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        contexts, result, runner = Path(tmp) / "contexts.json", Path(tmp) / "result.json", Path(tmp) / "runner.py"
+        contexts.write_text(json.dumps([list(trace[i].blocks) for i in arrival]))
+        runner.write_text(WINDOWS_RUNNER)
+        command = [str(upstream_python()), str(runner), str(contexts), str(result), str(size)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)  # upstream prints banners
+        return [(arrival[position], order) for position, order in json.loads(result.read_text())]
 
 
 # ---- the oracle ------------------------------------------------------------------------------------
@@ -187,10 +233,12 @@ def rows_of(
     feedbacks: list[str],
     window: int,
     oracle: bool,
+    windows: Sequence[int] = (),
 ) -> list[Row]:
     shape = PromptShape()
     arrival = arrival_order(trace, "interleave")  # replay's default online arrival
     theirs = upstream_online(trace, arrival)
+    theirs_windowed = {size: upstream_windows(trace, arrival, size) for size in windows}
     base = capacity_base(trace, "online")
     bounds = {keep: predecessor_bound(trace, arrival, shape, keep) for keep in (True, False)}
     rows = []
@@ -201,8 +249,17 @@ def rows_of(
         def saved(prefill: int, without: int = without.prefill_tokens) -> int:
             return without - prefill
 
-        def ours(keep_top: bool, feedback: str = "request", capacity: int = capacity) -> int:
-            result = replay(trace, "trie", "online", capacity, shape=shape, keep_top=keep_top, feedback=feedback)  # type: ignore[arg-type]
+        def ours(keep_top: bool, feedback: str = "request", capacity: int = capacity, window: int = 1) -> int:
+            result = replay(
+                trace,
+                "trie",
+                "online",
+                capacity,
+                shape=shape,
+                keep_top=keep_top,
+                feedback=feedback,
+                window=window,  # type: ignore[arg-type]
+            )
             return saved(result.prefill_tokens)
 
         row = Row(
@@ -225,6 +282,9 @@ def rows_of(
                     row.oracle_free = value
         for feedback in feedbacks:
             row.feedback[feedback] = (ours(True, feedback), ours(False, feedback))
+        for size in windows:
+            up = saved(serve_orders(trace, theirs_windowed[size], capacity, shape).prefill_tokens)
+            row.windows[size] = (ours(True, window=size), ours(False, window=size), up)
         rows.append(row)
         print(f"  {name} {fraction:.0%}: done", file=sys.stderr, flush=True)
     return rows
@@ -247,6 +307,26 @@ def print_extra(title: str, rows: list[Row], parts: list[tuple[str, Callable[[Ro
         for _, get in parts:
             default, free = get(r)
             line += f"{f'{default:,} ({_ratio(r.over(default))})':>24}{f'{free:,} ({_ratio(r.over(free))})':>24}"
+        print(line)
+
+
+def print_windows(rows: list[Row], windows: list[int]) -> None:
+    """Micro-batching: ours and upstream's, each planning every window of arriving requests."""
+    print(
+        "\nmicro-batching windows of N arriving requests, each planned together and sent in its schedule "
+        "(ours: plan(in_order=True); upstream: one reorder() call a window): tokens saved; x: ours / upstream's, "
+        "same window"
+    )
+    head = f"{'family':<16}{'cap':>5}"
+    head += "".join(f"{f'N={w} upstream':>16}{f'N={w} default':>22}{f'N={w} top free':>22}" for w in windows)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = f"{r.family:<16}{r.capacity:>5.0%}"
+        for w in windows:
+            default, free, up = r.windows[w]
+            ours = [f"{value:,} ({_ratio(value / up if up > 0 else None)})" for value in (default, free)]
+            line += f"{up:>16,}{ours[0]:>22}{ours[1]:>22}"
         print(line)
 
 
@@ -279,6 +359,9 @@ def print_rows(rows: list[Row], window: int) -> None:
     feedbacks = sorted({f for r in rows for f in r.feedback})
     if feedbacks:
         print_extra("other eviction feedback", rows, [(f, lambda r, f=f: r.feedback[f]) for f in feedbacks])
+    windows = sorted({w for r in rows for w in r.windows})
+    if windows:
+        print_windows(rows, windows)
 
     def below(value: Callable[[Row], int | None]) -> int:
         return sum((r.over(value(r)) or 0) < 2 for r in rows)
@@ -296,6 +379,7 @@ def main() -> int:
     parser.add_argument("--capacity", default="0.01,0.05,0.25,1")
     parser.add_argument("--feedback", default="", help="other feedback settings: none,usage,exact")
     parser.add_argument("--window", type=int, default=30, help="requests the oracle sees ahead")
+    parser.add_argument("--windows", default="", help="micro-batching windows to add, in requests: 8,32")
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--requests", type=int, help="requests a trace (default: each trace's own)")
     parser.add_argument("--seed", type=int, default=0)
@@ -307,10 +391,11 @@ def main() -> int:
         parser.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*FAMILIES, MULTIHOP])})")
     feedbacks = [f for f in args.feedback.split(",") if f and f != "request"]
     fractions = [float(c) for c in args.capacity.split(",")]
+    windows = [int(w) for w in args.windows.split(",") if w]
     rows: list[Row] = []
     for name in names:
         trace = trace_of(name, args.requests, args.seed)
-        rows += rows_of(name, trace, fractions, feedbacks, args.window, not args.no_oracle)
+        rows += rows_of(name, trace, fractions, feedbacks, args.window, not args.no_oracle, windows)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:

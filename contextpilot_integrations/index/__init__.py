@@ -5,12 +5,13 @@ from .cluster import ClusterTree
 from .distance import condensed_distances, context_distance
 from .greedy import BatchPlan, greedy_plan
 from .prefix_trie import PrefixTrie
-from .strategies import STRATEGIES, PaperStrategy, RetrievalOrder, Strategy, TrieStrategy, make_strategy
+from .strategies import STRATEGIES, LiveView, PaperStrategy, RetrievalOrder, Strategy, TrieStrategy, make_strategy
 
 __all__ = [
     "STRATEGIES",
     "BatchPlan",
     "ClusterTree",
+    "LiveView",
     "PaperStrategy",
     "PrefixTrie",
     "RetrievalOrder",

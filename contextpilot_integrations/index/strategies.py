@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +28,7 @@ from .prefix_trie import PrefixTrie
 
 __all__ = [
     "STRATEGIES",
+    "LiveView",
     "PaperStrategy",
     "PlannedBatch",
     "RetrievalOrder",
@@ -50,6 +51,26 @@ class PlannedBatch:
     """Indices into the batch, in send order."""
     state: Any = None
     """Strategy-private result, handed back to :meth:`Strategy.commit`."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveView:
+    """What a batch plan may follow from earlier traffic (:meth:`Strategy.live_view`), read
+    under the pilot's lock: the plan itself runs off it, while the index changes."""
+
+    heads: list[tuple[str, ...]]
+    """Each request's deepest live path through its own blocks (after its first block, where
+    the request keeps that first)."""
+    popularity: Mapping[str, int]
+    """How many requests carried each of the batch's blocks so far (absent: none)."""
+    heard: bool = True
+    """Whether the engine's evictions or cache reports keep the index true: only then do
+    requests with a live head go first (an old prediction may be gone, and sending a request
+    ahead for it only reshuffles what the engine keeps)."""
+
+    def part(self, members: Sequence[int]) -> LiveView:
+        """The view of these requests of the batch."""
+        return LiveView([self.heads[index] for index in members], self.popularity, self.heard)
 
 
 class Strategy(ABC):
@@ -75,6 +96,18 @@ class Strategy(ABC):
         strategies that weigh reuse by it. The default keeps every request's order.
         """
         return PlannedBatch([list(keys) for _, keys in batch], list(range(len(batch))))
+
+    def live_view(self, batch: Batch, keep_first: bool) -> LiveView | None:
+        """What :meth:`plan_live` may follow from the live index, read under the pilot's lock
+        (``keep_first``: each request keeps its first block first). ``None``: nothing."""
+        return None
+
+    def plan_live(
+        self, batch: Batch, tokens: Mapping[str, int] | None = None, live: LiveView | None = None
+    ) -> PlannedBatch:
+        """:meth:`plan` for a batch after earlier traffic (``live``: :meth:`live_view`). The
+        default plans the batch alone."""
+        return self.plan(batch, tokens)
 
     def commit(self, planned: PlannedBatch, batch: Batch) -> None:  # noqa: B027 - optional hook
         """The planned batch enters the index (called under the pilot's lock)."""
@@ -187,6 +220,52 @@ class TrieStrategy(Strategy):
         orders = [[keys[i] for i in positions] for keys, positions in zip(requests, planned.orders, strict=True)]
         return PlannedBatch(orders, planned.schedule)
 
+    def live_view(self, batch: Batch, keep_first: bool) -> LiveView | None:
+        if not len(self.trie) and not self._requested:  # a first batch: nothing to follow
+            return None
+        best_prefix = self.trie.best_prefix
+        heads = [
+            tuple(best_prefix(keys, keys[0])[1:] if keep_first else best_prefix(keys)) if keys else ()
+            for _, keys in batch
+        ]
+        requested = self._requested
+        popularity = {key: requested[key] for _, keys in batch for key in keys if key in requested}
+        return LiveView(heads, popularity)
+
+    def plan_live(
+        self, batch: Batch, tokens: Mapping[str, int] | None = None, live: LiveView | None = None
+    ) -> PlannedBatch:
+        """A micro-batch after earlier ones: a request whose live head weighs at least what
+        it could share within the batch follows that head (the engine holds it now); the
+        requests of one head are planned together on the rest of their blocks, given most
+        popular first, so what a request shares with no other of the batch follows the
+        canonical order later requests follow too. Where the engine's reports keep the
+        index true (:attr:`LiveView.heard`), requests with a head go first, before the
+        others' new blocks can evict it; else the groups go in the batch's order."""
+        if live is None:
+            return self.plan(batch, tokens)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for index, head in enumerate(_worth_following(batch, live.heads, tokens)):
+            groups.setdefault(head, []).append(index)
+        popularity = live.popularity.get
+        orders: list[list[str]] = [[] for _ in batch]
+        schedule: list[int] = []
+        heads = sorted(groups, key=len, reverse=True) if live.heard else groups  # stable: batch order among equals
+        for head in heads:
+            members, taken = groups[head], set(head)
+            rests = [
+                (
+                    batch[i][0],
+                    sorted((k for k in batch[i][1] if k not in taken), key=lambda k: popularity(k, 0), reverse=True),
+                )
+                for i in members
+            ]
+            planned = self.plan(rests, tokens)
+            for index, order in zip(members, planned.orders, strict=True):
+                orders[index] = [*head, *order]
+            schedule += [members[position] for position in planned.schedule]
+        return PlannedBatch(orders, schedule)
+
     def commit(self, planned: PlannedBatch, batch: Batch) -> None:
         for _, keys in batch:
             self._count(keys)
@@ -232,14 +311,33 @@ class PaperStrategy(Strategy):
         self.tree.clear()
 
 
+def _worth_following(
+    batch: Batch, heads: Sequence[tuple[str, ...]], tokens: Mapping[str, int] | None
+) -> list[tuple[str, ...]]:
+    """Each request's live head where it weighs at least the request's blocks another
+    request of the batch carries (the most it could share within the batch), else none."""
+    carried: dict[str, int] = {}
+    for _, keys in batch:
+        _count_elements(carried, keys)
+
+    def weight(keys: Iterable[str]) -> int:
+        return sum(tokens.get(key, 1) for key in keys) if tokens is not None else sum(1 for _ in keys)
+
+    return [
+        head if head and weight(head) >= weight(key for key in keys if carried[key] > 1) else ()
+        for (_, keys), head in zip(batch, heads, strict=True)
+    ]
+
+
 def plan_under_first(
-    strategy: Strategy, batch: Batch, tokens: Mapping[str, int] | None = None
+    strategy: Strategy, batch: Batch, tokens: Mapping[str, int] | None = None, live: LiveView | None = None
 ) -> tuple[PlannedBatch, list[tuple[PlannedBatch, Batch]]]:
     """Plan a batch whose requests each keep their first block first (the pilot's
     ``keep_top``): requests share a prefix only under the same first block, so each group of
     them is planned on its own, on the rest of its blocks, and the groups go one after
     another. Returns the whole plan, and each group's plan with its part of the batch (for
-    :meth:`Strategy.commit`)."""
+    :meth:`Strategy.commit`). ``live``: :meth:`Strategy.live_view` of the batch, taken with
+    ``keep_first``."""
     if not strategy.reorders:  # the input order, as without ContextPilot
         planned = strategy.plan(batch, tokens)
         return planned, [(planned, batch)]
@@ -250,7 +348,8 @@ def plan_under_first(
     schedule: list[int] = []
     parts: list[tuple[PlannedBatch, Batch]] = []
     for first, members in groups.items():
-        planned = strategy.plan([(batch[i][0], list(batch[i][1])[1:]) for i in members], tokens)
+        rests = [(batch[i][0], list(batch[i][1])[1:]) for i in members]
+        planned = strategy.plan_live(rests, tokens, live.part(members) if live is not None else None)
         for order, index in zip(planned.orders, members, strict=True):
             if first is not None:
                 orders[index] = [first, *order]

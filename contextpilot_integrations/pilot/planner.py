@@ -408,11 +408,15 @@ class Planner:
                 for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
                 for key, block in zip(keys, blocks, strict=True)
             }
+            with lock:  # what the plan may follow from earlier traffic, read while nothing changes it
+                live = self.state.strategy.live_view(followed, self.settings.keep_top)
+                if live is not None and not (self.state.hears_evictions or self.outlook.retention.tested):
+                    live = replace(live, heard=False)
             with _gc_paused():  # each request's top block first (keep_top): planned under it
                 if self.settings.keep_top:
-                    planned, parts = plan_under_first(self.state.strategy, followed, tokens)
+                    planned, parts = plan_under_first(self.state.strategy, followed, tokens, live)
                 else:
-                    planned = self.state.strategy.plan(followed, tokens)
+                    planned = self.state.strategy.plan_live(followed, tokens, live)
                     parts = [(planned, followed)]
             orders = [key_blocks(order) for order in planned.orders]
             schedule = _keep_turn_order(planned.schedule, [item.conversation_id for item in items])

@@ -288,6 +288,7 @@ def replay(
     seed: int = 0,
     on_request: Callable[[], object] | None = None,
     keep_top: bool = True,
+    window: int = 1,
 ) -> ReplayResult:
     """Run a trace through a fresh :class:`ContextPilot` and a fresh simulated cache.
 
@@ -302,7 +303,12 @@ def replay(
         plan_out: receives each request's sent blocks and references, in send order.
         on_request: called after each request (progress bars).
         keep_top: the pilot's ``keep_top`` (``False``: the reuse the top block's place costs).
+        window: online: every ``window`` arriving requests are planned together
+            (:meth:`ContextPilot.plan`, sent in its schedule, as a caller that micro-batches
+            them sends them); 1: one at a time (:meth:`ContextPilot.prepare`).
     """
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if feedback not in FEEDBACKS:
@@ -322,7 +328,7 @@ def replay(
     if mode == "offline":
         run.offline()
     elif mode == "online":
-        run.online(arrival_order(trace, arrival, seed), feedback)
+        run.online(arrival_order(trace, arrival, seed), feedback, window)
     else:
         run.chat(feedback, history_turns, deduplicate)
     tally = run.tally
@@ -395,7 +401,10 @@ class _Run:
         for prepared in planned:
             self.serve(prepared, self.trace[prepared.batch_index])  # type: ignore[index]
 
-    def online(self, order: list[int], feedback: Feedback) -> None:
+    def online(self, order: list[int], feedback: Feedback, window: int = 1) -> None:
+        if window > 1:
+            self.windows(order, feedback, window)
+            return
         for index in order:
             request = self.trace[index]
             blocks = self.blocks.of(request)
@@ -406,6 +415,26 @@ class _Run:
             start = time.perf_counter()
             _feedback(self.pilot, served, feedback, self.offsets, prepared)
             self.tally.seconds += time.perf_counter() - start
+
+    def windows(self, order: list[int], feedback: Feedback, window: int) -> None:
+        """Online in micro-batches: each ``window`` arriving requests planned together and
+        sent in the plan's schedule, the engine's feedback applied after each."""
+        for start in range(0, len(order), window):
+            chunk = order[start : start + window]
+            batch = [
+                BatchRequest(
+                    blocks=self.blocks.of(self.trace[i]), query=self.trace[i].question or "", request_id=f"r{i}"
+                )
+                for i in chunk
+            ]
+            started = time.perf_counter()
+            planned = self.pilot.plan(batch)
+            self.tally.seconds += time.perf_counter() - started
+            for prepared in planned:
+                served, _ = self.serve(prepared, self.trace[chunk[prepared.batch_index]])  # type: ignore[index]
+                started = time.perf_counter()
+                _feedback(self.pilot, served, feedback, self.offsets, prepared)
+                self.tally.seconds += time.perf_counter() - started
 
     def chat(self, feedback: Feedback, history_turns: int | None, deduplicate: bool) -> None:
         conversations = list(turns_in_order(self.trace))

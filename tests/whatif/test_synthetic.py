@@ -206,6 +206,30 @@ def test_tiny_blocks_never_compute_more_where_an_engine_runs(
     assert ours.prefill_tokens <= without.prefill_tokens, (mode, feedback, capacity)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(
+    spec=tiny_families(),
+    seed=st.integers(0, 2**16),
+    window=st.sampled_from([2, 8, 32]),
+    feedback=st.sampled_from(["none", "usage", "request", "exact"]),
+    fraction=st.floats(0.01, 1.0),
+    keep_top=st.booleans(),
+)
+def test_micro_batches_never_compute_more_where_an_engine_runs(
+    spec: Family, seed: int, window: int, feedback: Feedback, fraction: float, keep_top: bool
+) -> None:
+    """Online in micro-batches (each planned after the earlier ones, following what the
+    engine holds), blocks of 1-12 tokens, a cache that holds at least the longest prompt."""
+    trace = generate(spec, seed=seed)
+    shape = PromptShape()
+    capacity = max(
+        int(working_set_tokens(trace) * fraction), replay(trace, "retrieval", "online", None).max_prompt_tokens
+    )
+    without = replay(trace, "retrieval", "online", capacity, shape=shape, deduplicate=False, feedback=feedback)
+    ours = replay(trace, "trie", "online", capacity, shape=shape, feedback=feedback, keep_top=keep_top, window=window)
+    assert ours.prefill_tokens <= without.prefill_tokens, (window, feedback, capacity, keep_top)
+
+
 # ---- chat over the family: a reference only where it costs less, nothing bet (issue 29) ------------
 @pytest.mark.parametrize(
     ("spec", "fraction"),
