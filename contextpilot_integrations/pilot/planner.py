@@ -49,7 +49,7 @@ from ..core.validation import (
     check_request_id,
 )
 from ..errors import DuplicateRequestError
-from ..index.strategies import plan_under_first
+from ..index.strategies import LiveView, plan_under_first
 from .state import EngineState
 
 __all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
@@ -408,10 +408,7 @@ class Planner:
                 for (_, keys), (blocks, _) in zip(followed, normalized, strict=True)
                 for key, block in zip(keys, blocks, strict=True)
             }
-            with lock:  # what the plan may follow from earlier traffic, read while nothing changes it
-                live = self.state.strategy.live_view(followed, self.settings.keep_top)
-                if live is not None and not (self.state.hears_evictions or self.outlook.retention.tested):
-                    live = replace(live, heard=False)
+            live = self.live_view(lock, followed)
             with _gc_paused():  # each request's top block first (keep_top): planned under it
                 if self.settings.keep_top:
                     planned, parts = plan_under_first(self.state.strategy, followed, tokens, live)
@@ -454,6 +451,26 @@ class Planner:
         finally:
             with lock:
                 self.state.reserved.difference_update(ids)
+
+    def live_view(self, lock: Lock, followed: Sequence[tuple[str, list[str]]]) -> LiveView | None:
+        """What a batch plan may follow from earlier traffic (:meth:`.Strategy.live_view`),
+        read under ``lock`` a few requests at a time: each read sees the index whole, and a
+        big batch does not hold up concurrent :meth:`prepare` calls."""
+        heads: list[tuple[str, ...]] = []
+        popularity: dict[str, int] = {}
+        seen = heard = False
+        for start in range(0, len(followed), _COMMIT_STEP):
+            part = followed[start : start + _COMMIT_STEP]
+            with lock:
+                view = self.state.strategy.live_view(part, self.settings.keep_top)
+                heard = self.state.hears_evictions or self.outlook.retention.tested
+            if view is None:  # nothing to follow (yet)
+                heads += [()] * len(part)
+                continue
+            seen = True
+            heads += view.heads
+            popularity.update(view.popularity)
+        return LiveView(heads, popularity, heard) if seen else None
 
     def batch_chances(
         self,
