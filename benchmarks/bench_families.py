@@ -56,6 +56,20 @@ def capacity_base(trace: list[TraceRequest], mode: str) -> int:
     return working_set_tokens(trace)
 
 
+def upstream_orders(trace: list[TraceRequest]) -> dict[str, list[tuple[int, list[str]]]]:
+    """The published ``contextpilot`` 0.5.0's send orders (``bench_upstream.py``: its own
+    throwaway environment), offline and online, as (index into the trace, block ids), in send
+    order; online, the requests reach it as they reach ours (``replay``'s default arrival)."""
+    from bench_upstream import run_upstream
+
+    arrival = arrival_order(trace, "interleave")
+    raw = run_upstream([trace[i] for i in arrival])
+    return {
+        "offline": [(arrival[i], order) for i, order in raw["offline"]],
+        "online": list(zip(arrival, raw["online"], strict=True)),
+    }
+
+
 def cells(
     name: str, trace: list[TraceRequest], modes: list[str], fractions: list[float], upstream: dict | None
 ) -> list[Cell]:
@@ -115,16 +129,7 @@ def main() -> int:
     for name in names:
         spec = FAMILIES[name] if args.requests is None else FAMILIES[name].with_requests(args.requests)
         trace = generate(spec, seed=args.seed)
-        theirs = None
-        if args.upstream:
-            from bench_upstream import run_upstream  # the same throwaway environment and runner
-
-            arrival = arrival_order(trace, "interleave")  # as requests reach ours online (replay's default)
-            raw = run_upstream([trace[i] for i in arrival])
-            theirs = {
-                "offline": [(arrival[i], order) for i, order in raw["offline"]],
-                "online": list(zip(arrival, raw["online"], strict=True)),
-            }
+        theirs = upstream_orders(trace) if args.upstream else None
         rows += cells(name, trace, modes, fractions, theirs)
     if args.json:
         print(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2))

@@ -53,8 +53,8 @@ from scipy.sparse import csr_matrix
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_bounds import best_head, lookahead_tail
-from bench_families import capacity_base
-from bench_upstream import run_upstream, upstream_python
+from bench_families import capacity_base, upstream_orders
+from bench_upstream import upstream_python
 
 from contextpilot_integrations import Block
 from contextpilot_integrations.core.prepared import PreparedRequest
@@ -109,12 +109,6 @@ def trace_of(name: str, requests: int | None, seed: int) -> list[TraceRequest]:
         return trace[:requests] if requests else trace
     spec = FAMILIES[name] if requests is None else FAMILIES[name].with_requests(requests)
     return generate(spec, seed=seed)
-
-
-def upstream_online(trace: Sequence[TraceRequest], arrival: list[int]) -> Orders:
-    """Upstream's online orders (one ``reorder`` call a request, in arrival order)."""
-    raw = run_upstream([trace[i] for i in arrival])
-    return list(zip(arrival, raw["online"], strict=True))
 
 
 WINDOWS_RUNNER = r"""
@@ -237,7 +231,7 @@ def rows_of(
 ) -> list[Row]:
     shape = PromptShape()
     arrival = arrival_order(trace, "interleave")  # replay's default online arrival
-    theirs = upstream_online(trace, arrival)
+    theirs = upstream_orders(trace)["online"]
     theirs_windowed = {size: upstream_windows(trace, arrival, size) for size in windows}
     base = capacity_base(trace, "online")
     bounds = {keep: predecessor_bound(trace, arrival, shape, keep) for keep in (True, False)}

@@ -212,7 +212,7 @@ def key_block(key: str) -> str:
 def plain_keys(order: Sequence[str], partition: str | None = None) -> list[str]:
     """Index keys of blocks sent as their text alone (in ``partition``: see :func:`in_partition`)."""
     if "\x00" not in "".join(order):  # the usual case, checked in C
-        return list(order) if partition is None else in_partition(order, partition)
+        return in_partition(order, partition)
     return in_partition([block_key(key) for key in order], partition)
 
 

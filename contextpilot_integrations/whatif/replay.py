@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
@@ -390,11 +390,15 @@ class _Run:
             self.on_request()
         return served, own
 
-    def offline(self) -> None:
-        batch = [
-            BatchRequest(blocks=self.blocks.of(r), query=r.question or "", request_id=f"r{i}")
-            for i, r in enumerate(self.trace)
+    def batch(self, indices: Iterable[int]) -> list[BatchRequest]:
+        """These requests of the trace as one batch (``batch_index``: position in ``indices``)."""
+        return [
+            BatchRequest(blocks=self.blocks.of(self.trace[i]), query=self.trace[i].question or "", request_id=f"r{i}")
+            for i in indices
         ]
+
+    def offline(self) -> None:
+        batch = self.batch(range(len(self.trace)))
         start = time.perf_counter()
         planned = self.pilot.plan(batch)
         self.tally.seconds = time.perf_counter() - start
@@ -421,12 +425,7 @@ class _Run:
         sent in the plan's schedule, the engine's feedback applied after each."""
         for start in range(0, len(order), window):
             chunk = order[start : start + window]
-            batch = [
-                BatchRequest(
-                    blocks=self.blocks.of(self.trace[i]), query=self.trace[i].question or "", request_id=f"r{i}"
-                )
-                for i in chunk
-            ]
+            batch = self.batch(chunk)
             started = time.perf_counter()
             planned = self.pilot.plan(batch)
             self.tally.seconds += time.perf_counter() - started
