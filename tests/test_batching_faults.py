@@ -74,8 +74,8 @@ class GatedPlanner:
         assert self.release.wait(TIMEOUT)
         return self.pilot.plan(requests, in_order=in_order)
 
-    def discard(self, prepared: Any) -> None:
-        self.pilot.discard(prepared)
+    def bound(self, prepared: Any) -> Any:
+        return self.pilot.bound(prepared)
 
 
 class PickyPlanner:
@@ -93,8 +93,8 @@ class PickyPlanner:
                 raise ValueError(f"request #{index}: poisoned")
         return self.pilot.plan(requests, in_order=in_order)
 
-    def discard(self, prepared: Any) -> None:
-        self.pilot.discard(prepared)
+    def bound(self, prepared: Any) -> Any:
+        return self.pilot.bound(prepared)
 
 
 # ---- 5. one bad request fails only its caller -------------------------------------------------

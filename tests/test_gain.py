@@ -124,6 +124,9 @@ def test_a_micro_batcher_plans_its_bursts_as_concurrent() -> None:
             seen.append(in_order)
             return self.pilot.plan(requests, in_order=in_order)
 
+        def bound(self, prepared: Any) -> Any:
+            return self.pilot.bound(prepared)
+
     batcher = MicroBatcher(Recording())
     prepared = batcher.prepare([doc("a"), doc("b")], "q")
     assert seen == [False] and not prepared.labels

@@ -342,6 +342,11 @@ class Router:
         """The predicted cache state of one target."""
         return self._states[target if isinstance(target, str) else target.name].pilot
 
+    def bound(self, routed: Routed) -> Binding:
+        """A request this router prepared or planned, bound to its target's pilot (the
+        :class:`~..pilot.ports.Preparer` port)."""
+        return Binding(self.pilot(routed.target), routed.prepared)
+
     def target_of(self, pilot: ContextPilot) -> Target | None:
         """The target whose state ``pilot`` is."""
         return self._by_pilot.get(id(pilot))

@@ -19,30 +19,20 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..core.blocks import Block, BlockLike, normalize_blocks
-from ..core.prepared import PreparedRequest
 from ..core.validation import check_conversation_id, check_kept_turns, check_partition, check_query
 from ..pilot import BatchRequest
+from ..pilot.facade import Binding
+from ..pilot.ports import BatchPlanner
 
-__all__ = ["MicroBatcher", "Planner", "Preparer", "aprepare_with", "prepare_with"]
+__all__ = ["MicroBatcher"]
 
 _log = logging.getLogger(__name__)
 
 _IDLE_SECONDS = 5.0
 """A batcher's worker thread leaves after this long without requests."""
-
-
-class Planner(Protocol):
-    """What plans a batch: a :class:`~contextpilot_integrations.ContextPilot`, or a router."""
-
-    def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Sequence[Any]: ...
-
-
-def _prepared_of(result: Any) -> PreparedRequest:
-    """A pilot plans :class:`PreparedRequest` objects; a router wraps each with its target."""
-    return result if isinstance(result, PreparedRequest) else result.prepared
 
 
 class _State(enum.Enum):
@@ -108,7 +98,7 @@ class MicroBatcher:
         max_batch: a batch this large is planned at once, without waiting.
     """
 
-    def __init__(self, planner: Planner, *, window: float = 0.005, max_batch: int = 32) -> None:
+    def __init__(self, planner: BatchPlanner[Any], *, window: float = 0.005, max_batch: int = 32) -> None:
         if window < 0 or max_batch < 1:
             raise ValueError("window must be >= 0 seconds and max_batch >= 1")
         self.planner = planner
@@ -175,6 +165,10 @@ class MicroBatcher:
         if waiter.error is not None:
             raise waiter.error
         return waiter.result
+
+    def bound(self, result: Any) -> Binding:
+        """What :meth:`prepare` returned, bound to the pilot that holds it (the planner's binding)."""
+        return self.planner.bound(result)
 
     # ---- the batch -----------------------------------------------------------------------------
     def _add(self, waiter: _Waiter, *, flush_now: bool) -> list[_Waiter]:
@@ -273,7 +267,7 @@ class MicroBatcher:
         outcomes: list[_Outcome] = []
         # concurrent callers: their requests reach the engine in no guaranteed order
         for result in self.planner.plan([waiter.request for waiter in waiters], in_order=False):
-            index = _prepared_of(result).batch_index  # schedule order: the first to send first
+            index = self.planner.bound(result).prepared.batch_index  # schedule order: the first to send first
             if isinstance(index, int) and 0 <= index < len(waiters):
                 outcomes.append((waiters[index], result, None))
             else:
@@ -327,38 +321,8 @@ class MicroBatcher:
         """Forget a planned request nobody will send, in the pilot that planned it."""
         if result is None:
             return
-        prepared = _prepared_of(result)
-        owner: Any = self.planner
-        target = getattr(result, "target", None)
-        if target is not None and callable(getattr(owner, "pilot", None)):
-            owner = owner.pilot(target)  # a router: the pilot of the routed target
-        discard = getattr(owner, "discard", None)
-        if not callable(discard):
-            return
         try:
-            discard(prepared)
+            binding = self.planner.bound(result)
+            binding.pilot.discard(binding.prepared)
         except Exception:  # never let one caller's cleanup fail the others
-            _log.exception("could not discard request %s", prepared.request_id)
-
-
-class Preparer(Protocol):
-    """What prepares a request: a pilot, a router (which also picks the engine), or a
-    :class:`MicroBatcher` in front of either."""
-
-    def prepare(self, blocks: Sequence[BlockLike], query: str, conversation_id: str | None = None) -> Any: ...
-
-    async def aprepare(self, blocks: Sequence[BlockLike], query: str, conversation_id: str | None = None) -> Any: ...
-
-
-def prepare_with(
-    preparer: Preparer, blocks: Sequence[BlockLike], query: str, conversation_id: str | None = None
-) -> PreparedRequest:
-    """Prepare with a pilot, a router or a micro-batcher alike (framework adapters)."""
-    return _prepared_of(preparer.prepare(blocks, query, conversation_id))
-
-
-async def aprepare_with(
-    preparer: Preparer, blocks: Sequence[BlockLike], query: str, conversation_id: str | None = None
-) -> PreparedRequest:
-    """Async variant of :func:`prepare_with`."""
-    return _prepared_of(await preparer.aprepare(blocks, query, conversation_id))
+            _log.exception("could not discard a planned request")

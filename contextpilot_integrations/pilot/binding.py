@@ -28,12 +28,12 @@ from ..core.annotations import (
     quote_status,
     reference_pattern,
     reference_spans,
-    render_block,
 )
-from ..core.blocks import CHARS_PER_TOKEN, BlockLike
+from ..core.blocks import BlockLike
 from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest, resolve_references, resolve_request
-from . import ContextPilot
+from .facade import Binding
+from .ports import Preparer
 
 __all__ = [
     "Binding",
@@ -50,24 +50,6 @@ __all__ = [
 ]
 
 RunId = Hashable
-
-
-@dataclass(frozen=True, slots=True)
-class Binding:
-    """The prepared request behind one model call, and the pilot its engine report goes to."""
-
-    pilot: ContextPilot
-    prepared: PreparedRequest
-    before_tokens: int = 0
-    """Our estimate of the prompt tokens before its first block (system prompt, history)."""
-
-    def located(self, text: str) -> Binding:
-        """This binding with ``before_tokens`` estimated from the outgoing prompt ``text``."""
-        prepared = self.prepared
-        first = (
-            text.find(render_block(prepared.blocks[0], prepared.templates, prepared.labels)) if prepared.blocks else -1
-        )
-        return Binding(self.pilot, prepared, max(first, 0) // CHARS_PER_TOKEN)
 
 
 @dataclass(slots=True)
@@ -292,7 +274,7 @@ def invariant_breaches(bodies: Iterable[Mapping[str, Any]], templates: Templates
 
 
 def prepare_bound(
-    preparer: Any,
+    preparer: Preparer[Any],
     blocks: Sequence[BlockLike],
     query: str,
     conversation_id: str | None = None,
@@ -300,16 +282,15 @@ def prepare_bound(
     kept_turns: Collection[int] | None = None,
     partition: str | None = None,
 ) -> Binding:
-    """Prepare with a pilot, a router or a micro-batcher alike, and name the pilot whose
-    index now holds the request (a router's target state): what an adapter deposits.
-    ``partition``: the engine's cache partition (:func:`~..core.partitions.cache_partition`)."""
-    extra = {"partition": partition} if partition is not None else {}
-    result = preparer.prepare(blocks, query, conversation_id, kept_turns=kept_turns, **extra)
-    return _bound(preparer, result)
+    """Prepare with a pilot, a router or a micro-batcher alike (the :class:`~.ports.Preparer`
+    port), and name the pilot whose index now holds the request (a router's target state):
+    what an adapter deposits. ``partition``: the engine's cache partition
+    (:func:`~..core.partitions.cache_partition`)."""
+    return preparer.bound(preparer.prepare(blocks, query, conversation_id, kept_turns=kept_turns, partition=partition))
 
 
 async def aprepare_bound(
-    preparer: Any,
+    preparer: Preparer[Any],
     blocks: Sequence[BlockLike],
     query: str,
     conversation_id: str | None = None,
@@ -318,9 +299,8 @@ async def aprepare_bound(
     partition: str | None = None,
 ) -> Binding:
     """Async variant of :func:`prepare_bound`."""
-    extra = {"partition": partition} if partition is not None else {}
-    result = await preparer.aprepare(blocks, query, conversation_id, kept_turns=kept_turns, **extra)
-    return _bound(preparer, result)
+    result = await preparer.aprepare(blocks, query, conversation_id, kept_turns=kept_turns, partition=partition)
+    return preparer.bound(result)
 
 
 def partitioned(binding: Binding | None, fields: Mapping[str, Any], adapters: Collection[str] = ()) -> Binding | None:
@@ -334,11 +314,3 @@ def partitioned(binding: Binding | None, fields: Mapping[str, Any], adapters: Co
     if partition is None or partition == binding.prepared.partition:
         return binding
     return Binding(binding.pilot, binding.pilot.repartition(binding.prepared, partition), binding.before_tokens)
-
-
-def _bound(preparer: Any, result: Any) -> Binding:
-    if isinstance(result, PreparedRequest):  # a pilot's, or a micro-batcher's over a pilot
-        owner = preparer if isinstance(preparer, ContextPilot) else preparer.planner
-        return Binding(owner, result)
-    router = getattr(preparer, "planner", preparer)  # a router's, or a micro-batcher's over one
-    return Binding(router.pilot(result.target), result.prepared)

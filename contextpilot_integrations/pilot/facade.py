@@ -18,10 +18,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..core.annotations import DEFAULT_TEMPLATES, Templates
-from ..core.blocks import BlockLike, normalize_blocks
+from ..core.annotations import DEFAULT_TEMPLATES, Templates, render_block
+from ..core.blocks import CHARS_PER_TOKEN, BlockLike, normalize_blocks
 from ..core.conversations import ConversationStore
 from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
 from ..core.prepared import PreparedRequest
@@ -38,7 +39,7 @@ from .wiring import share
 if TYPE_CHECKING:
     from ..shared.client import SharedIndex
 
-__all__ = ["ContextPilot", "join", "sent_in_parts"]
+__all__ = ["Binding", "ContextPilot", "join", "sent_in_parts"]
 
 _Store = TypeVar("_Store", bound=ConversationStore)
 
@@ -171,6 +172,10 @@ class ContextPilot:
         return self.prepare(
             blocks, query, conversation_id, kept_turns=kept_turns, request_id=request_id, partition=partition
         )
+
+    def bound(self, prepared: PreparedRequest) -> Binding:
+        """A request this pilot prepared or planned, bound to it (the :class:`~.ports.Preparer` port)."""
+        return Binding(self, prepared)
 
     def plan(
         self, requests: Iterable[BatchItem], *, progress: bool = False, in_order: bool = True
@@ -345,6 +350,24 @@ class ContextPilot:
         """Assert internal consistency (for tests): index, strategy and live ids agree."""
         with self._lock:
             self._state.check()
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The prepared request behind one model call, and the pilot its engine report goes to."""
+
+    pilot: ContextPilot
+    prepared: PreparedRequest
+    before_tokens: int = 0
+    """Our estimate of the prompt tokens before its first block (system prompt, history)."""
+
+    def located(self, text: str) -> Binding:
+        """This binding with ``before_tokens`` estimated from the outgoing prompt ``text``."""
+        prepared = self.prepared
+        first = (
+            text.find(render_block(prepared.blocks[0], prepared.templates, prepared.labels)) if prepared.blocks else -1
+        )
+        return Binding(self.pilot, prepared, max(first, 0) // CHARS_PER_TOKEN)
 
 
 def sent_in_parts(lock: Any, reports: Reports, request_id: str, order: list[str]) -> bool:

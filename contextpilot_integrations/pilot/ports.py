@@ -1,18 +1,68 @@
 """The narrow interfaces the pilot's users above it talk through.
 
-A router (:mod:`..engines.router`) needs two things of its pilots beyond preparing and
-reporting: that they share one lock and one conversation store (:func:`.facade.join`), and,
-when sharing is on, a channel for its own entries (where each conversation lives):
-:class:`Broadcast`. The shared log itself talks to the pilot through the interface it owns,
-:class:`~..shared.replica.Replica`.
+- :class:`Preparer`: what a framework adapter prepares with. A pilot, a router (which also
+  picks the engine) and a micro-batcher in front of either prepare alike, each returning its
+  own kind of result (a :class:`~..core.prepared.PreparedRequest`, or a routed one), and
+  each binds that result to the pilot whose index now holds it: the
+  :class:`~.facade.Binding` a model call later sends and reports to. No caller tells them
+  apart.
+- :class:`BatchPlanner`: what a micro-batcher plans a burst with (a pilot, or a router).
+- :class:`Broadcast`: a router's channel for its own entries (where each conversation
+  lives) when sharing is on. The shared log itself talks to the pilot through the interface
+  it owns, :class:`~..shared.replica.Replica`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["Broadcast"]
+from ..core.blocks import BlockLike
+from .facade import Binding
+from .planner import BatchRequest
+
+__all__ = ["BatchPlanner", "Broadcast", "Preparer"]
+
+Result = TypeVar("Result")
+
+
+class Preparer(Protocol[Result]):
+    """Prepares one request, and binds what it prepared to the pilot that holds it."""
+
+    def prepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        partition: str | None = None,
+    ) -> Result:
+        """Order one request's blocks for cache reuse and record it in an index."""
+
+    async def aprepare(
+        self,
+        blocks: Iterable[BlockLike],
+        query: str,
+        conversation_id: str | None = None,
+        *,
+        kept_turns: Collection[int] | None = None,
+        partition: str | None = None,
+    ) -> Result:
+        """Async variant of :meth:`prepare`."""
+
+    def bound(self, result: Result) -> Binding:
+        """The request behind ``result`` and the pilot whose index holds it."""
+
+
+class BatchPlanner(Protocol[Result]):
+    """Plans a batch together (ordered and scheduled), and binds each planned request."""
+
+    def plan(self, requests: Sequence[BatchRequest], *, in_order: bool = True) -> Sequence[Result]:
+        """The requests planned, in send order, each knowing its ``batch_index``."""
+
+    def bound(self, result: Result) -> Binding:
+        """The request behind ``result`` and the pilot whose index holds it."""
 
 
 class Broadcast(Protocol):

@@ -20,6 +20,9 @@ under ``TYPE_CHECKING`` alike (a type-only import still ties the two modules tog
   points up when a module imports one of a higher layer. A module no layer names counts as
   core, so a new folder that imports upwards shows here until it is given its layer.
 
+``--sizes``: also the largest modules and classes (lines) and the public members of each
+package's face (``__all__`` of every ``__init__``), the other half of measuring the house.
+
 Exit status 1 when there is a circle or an arrow up (usable as a check).
 """
 
@@ -161,9 +164,35 @@ def _folders(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return dict(out)
 
 
+def _sizes(modules: dict[str, Path], top: int = 8) -> None:
+    """The largest modules and classes, and how many names each package's face exports."""
+    lines: list[tuple[int, str]] = []
+    classes: list[tuple[int, str]] = []
+    faces: list[tuple[int, str]] = []
+    for name, path in modules.items():
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, str(path))
+        lines.append((len(source.splitlines()), name or PACKAGE))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                classes.append((node.end_lineno - node.lineno + 1, f"{name}.{node.name}"))
+            if path.name == "__init__.py" and isinstance(node, ast.Assign):
+                if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                    if isinstance(node.value, (ast.List, ast.Tuple)):
+                        faces.append((len(node.value.elts), name or PACKAGE))
+    for title, rows in (("largest modules (lines)", lines), ("largest classes (lines)", classes)):
+        print(f"{title}:")
+        for size, what in sorted(rows, reverse=True)[:top]:
+            print(f"  {size:5d}  {what}")
+    print(f"public members (__all__ of each package): {sum(n for n, _ in faces)}")
+    for size, what in sorted(faces, reverse=True):
+        print(f"  {size:5d}  {what}")
+
+
 def main(argv: list[str]) -> int:
     verbose = "-v" in argv
-    argv = [a for a in argv if a != "-v"]
+    sizes = "--sizes" in argv
+    argv = [a for a in argv if a not in ("-v", "--sizes")]
     root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[2] / PACKAGE
     modules = _modules(root)
     graph = _arrows(modules)
@@ -182,6 +211,8 @@ def main(argv: list[str]) -> int:
     print(f"arrows up: {len(up)}")
     for a, b in up:
         print(f"  {a or PACKAGE} ({LAYERS[layer_of(a)][0]}) -> {b or PACKAGE} ({LAYERS[layer_of(b)][0]})")
+    if sizes:
+        _sizes(modules)
     if verbose:
         for a, b in arrows:
             print(f"{a or PACKAGE} -> {b or PACKAGE}")
