@@ -63,7 +63,7 @@ from contextpilot_integrations.testing.llama_server import tiny_llama_server
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
 
 try:
-    from contextpilot_integrations.pilot.binding import dangling_references
+    from contextpilot_integrations.testing.invariants import dangling_references
 except ImportError:  # the tree before issue 19: the same check, with the default templates
 
     def dangling_references(texts: Sequence[str]) -> list[str]:

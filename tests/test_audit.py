@@ -14,9 +14,9 @@ import urllib3
 
 from contextpilot_integrations import Block
 from contextpilot_integrations.core.annotations import render_reference
-from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.fake_http import serve_handler
+from contextpilot_integrations.testing.invariants import invariant_breaches
 
 
 class _Ok(BaseHTTPRequestHandler):

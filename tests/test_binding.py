@@ -11,14 +11,8 @@ from hypothesis import strategies as st
 from contextpilot_integrations import Block, ContextPilot, render_block
 from contextpilot_integrations.core.annotations import render_reference
 from contextpilot_integrations.core.blocks import CHARS_PER_TOKEN
-from contextpilot_integrations.pilot.binding import (
-    Binding,
-    RunBinder,
-    dangling_references,
-    invariant_breaches,
-    message_texts,
-    restore_references,
-)
+from contextpilot_integrations.pilot.binding import Binding, RunBinder, restore_references
+from contextpilot_integrations.testing.invariants import dangling_references, invariant_breaches, message_texts
 
 
 def blocks(*ids: str) -> list[Block]:  # 100 tokens: long enough for a reference to pay

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot
 from contextpilot_integrations.core.conversations import ConversationStore
-from contextpilot_integrations.pilot.binding import dangling_references
+from contextpilot_integrations.testing.invariants import dangling_references
 from contextpilot_integrations.whatif.trace import estimate_tokens
 
 

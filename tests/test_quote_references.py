@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import Block, ContextPilot, PreparedRequest
 from contextpilot_integrations.core.annotations import render_reference
-from contextpilot_integrations.pilot.binding import dangling_references, invariant_breaches, restore_references
+from contextpilot_integrations.pilot.binding import restore_references
+from contextpilot_integrations.testing.invariants import dangling_references, invariant_breaches
 
 FILLER = " and the rest of the document follows here" * 30
 

@@ -183,7 +183,7 @@ def parse_order_annotation(text: str, templates: Templates = DEFAULT_TEMPLATES) 
 
 # ---- a quote reference names exactly one text ----------------------------------------------------------
 AMBIGUOUS = " (names more than one text)"
-"""What :func:`~contextpilot_integrations.pilot.binding.dangling_references` appends to a
+"""What :func:`~contextpilot_integrations.testing.invariants.dangling_references` appends to a
 quote that the messages carry, but not as one text alone."""
 
 QuoteStatus = Literal["found", "dangling", "ambiguous"]

@@ -7,7 +7,7 @@ for the length of one test, every JSON body sent through the HTTP stacks the wir
 SDKs use (httpx and its fork httpx2: the chat models, the OpenAI, Anthropic and Gemini
 SDKs, our engine clients; urllib3: boto3; aiohttp: Gemini's async calls) and fails the
 test on a breach
-(:func:`~contextpilot_integrations.pilot.binding.invariant_breaches`). A conftest imports
+(:func:`~contextpilot_integrations.testing.invariants.invariant_breaches`). A conftest imports
 it; a test that sends a breach on purpose says so with ``@pytest.mark.breaches_allowed("why")``
 (the marker is registered in each suite's pytest configuration).
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from ..pilot.binding import invariant_breaches
 from .bodies import Bodies
+from .invariants import invariant_breaches
 
 __all__ = ["MARKER", "audited_bodies"]
 

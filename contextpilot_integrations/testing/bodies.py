@@ -1,6 +1,6 @@
 """The JSON bodies a real httpx client sends, for tests that audit every body a wiring sent
 (each reference with the text it points to, one request id per call:
-:func:`contextpilot_integrations.pilot.binding.invariant_breaches`)."""
+:func:`contextpilot_integrations.testing.invariants.invariant_breaches`)."""
 
 from __future__ import annotations
 

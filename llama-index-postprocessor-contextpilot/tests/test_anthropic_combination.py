@@ -20,8 +20,8 @@ from llama_index.llms.anthropic import Anthropic
 from packaging.requirements import Requirement
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import invariant_breaches, message_texts
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
 from llama_index.postprocessor.contextpilot import ContextPilotLLM, ContextPilotPostprocessor
 

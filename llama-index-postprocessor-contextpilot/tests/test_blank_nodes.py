@@ -12,8 +12,8 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
 from contextpilot_integrations.testing.bodies import Bodies
+from contextpilot_integrations.testing.invariants import invariant_breaches, message_texts
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION

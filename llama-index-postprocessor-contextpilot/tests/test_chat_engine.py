@@ -93,7 +93,7 @@ def test_a_kept_turn_that_refers_to_a_flushed_one_is_sent_with_the_documents() -
     from llama_index.core.embeddings import MockEmbedding
     from llama_index.core.schema import TextNode
 
-    from contextpilot_integrations.pilot.binding import dangling_references
+    from contextpilot_integrations.testing.invariants import dangling_references
 
     long = [TextNode(id_=f"doc{n}", text=f"Document {n} opens here, " + "words " * 150) for n in range(3)]
     index = VectorStoreIndex(long, embed_model=MockEmbedding(embed_dim=8))

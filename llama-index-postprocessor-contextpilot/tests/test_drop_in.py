@@ -22,7 +22,7 @@ from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.pilot.binding import dangling_references, invariant_breaches, message_texts
+from contextpilot_integrations.testing.invariants import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.testing.llama_server import LlamaServer, tiny_llama_server
 from llama_index.postprocessor.contextpilot import (
     ContextPilotBindingWarning,

@@ -12,8 +12,8 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import message_texts
 from contextpilot_integrations.testing.fake_openai import fake_openai
+from contextpilot_integrations.testing.invariants import message_texts
 from llama_index.postprocessor.contextpilot import ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION
 

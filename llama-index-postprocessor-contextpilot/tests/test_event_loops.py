@@ -13,8 +13,8 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import ChatMessage
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.bodies import Bodies
+from contextpilot_integrations.testing.invariants import invariant_breaches
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from llama_index.postprocessor.contextpilot import ContextPilotPostprocessor, SGLangLLM
 from tests.support import QUESTION

@@ -17,9 +17,9 @@ from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.errors import CacheKeyWarning
-from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import invariant_breaches
 from llama_index.postprocessor.contextpilot import ContextPilotChatEngine, ContextPilotLLM
 from tests.test_hosted_providers import QUERIES, RELATED, WordRetriever, engine
 

@@ -18,9 +18,9 @@ from llama_index.llms.anthropic import Anthropic
 from llama_index.llms.openai import OpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import dangling_references
 from contextpilot_integrations.whatif.datasets import load_multihop_rag
 from llama_index.postprocessor.contextpilot import ContextPilotLLM, ContextPilotPostprocessor
 from llama_index.postprocessor.contextpilot.cache_points import provider_of

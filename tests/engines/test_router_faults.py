@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from contextpilot_integrations import BatchRequest, Block, MicroBatcher
 from contextpilot_integrations.engines import EngineTimeout, EngineUnavailable, Router, RoutingClient, Target
 from contextpilot_integrations.errors import BlockTypeError, DuplicateRequestError
-from contextpilot_integrations.pilot.binding import dangling_references
+from contextpilot_integrations.testing.invariants import dangling_references
 from tests.thread_support import in_thread
 
 ROUTINGS = Router.ROUTINGS

@@ -20,9 +20,9 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import dangling_references
 from langchain_contextpilot.middleware import REQUEST_KEY, TURN_KEY, ContextPilotMiddleware
 from tests.support import QUERY, BM25ChunkRetriever
 

@@ -25,10 +25,10 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot.middleware import REFERENCES_KEY, ContextPilotMiddleware
 from tests.support import QUERY, BM25ChunkRetriever

@@ -21,9 +21,9 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_core.tools import tool
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import invariant_breaches, message_texts
 from contextpilot_integrations.testing.bodies import Bodies
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import invariant_breaches, message_texts
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotCompressor, ContextPilotRetriever, format_documents
 from langchain_contextpilot.middleware import ContextPilotMiddleware

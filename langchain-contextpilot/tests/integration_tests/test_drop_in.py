@@ -26,7 +26,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import Router, Target
-from contextpilot_integrations.pilot.binding import dangling_references, invariant_breaches, message_texts
+from contextpilot_integrations.testing.invariants import dangling_references, invariant_breaches, message_texts
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import (
     ChatSGLang,

@@ -32,9 +32,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.errors import CacheKeyWarning
-from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import dangling_references
 from langchain_contextpilot import ContextPilotChatModel, ContextPilotRetriever, ConversationalRAG, format_documents
 from langchain_contextpilot.middleware import ContextPilotMiddleware, MarkerLimitWarning, WrappedModelWarning
 from tests.integration_tests.test_agent_middleware import search, texts

@@ -22,11 +22,11 @@ from langchain_google_genai import ChatGoogleGenerativeAI
 from langchain_openai import ChatOpenAI
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import dangling_references
 from contextpilot_integrations.testing.fake_bedrock import fake_bedrock
 from contextpilot_integrations.testing.fake_gemini import fake_gemini
 from contextpilot_integrations.testing.fake_openai import fake_openai
 from contextpilot_integrations.testing.fake_providers import fake_anthropic
+from contextpilot_integrations.testing.invariants import dangling_references
 from langchain_contextpilot import ContextPilotChatModel, ContextPilotRetriever, format_documents
 from langchain_contextpilot.cache_markers import provider_of
 from tests.support import QUERY, BM25ChunkRetriever

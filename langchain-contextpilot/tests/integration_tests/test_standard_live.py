@@ -19,8 +19,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
-from contextpilot_integrations.pilot.binding import invariant_breaches
 from contextpilot_integrations.testing.bodies import Bodies
+from contextpilot_integrations.testing.invariants import invariant_breaches
 from contextpilot_integrations.testing.llama_server import LlamaServer
 from langchain_contextpilot import ChatSGLang, ContextPilotChatModel, ContextPilotRetriever, format_documents
 from tests.support import QUERY, BM25ChunkRetriever

@@ -11,7 +11,7 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.runnables import RunnableLambda
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.pilot.binding import dangling_references
+from contextpilot_integrations.testing.invariants import dangling_references
 from langchain_contextpilot import ConversationalRAG
 from tests.support import QUERY, BM25ChunkRetriever
 
