@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from ..core.events import IndexEvent
 from ..core.validation import MAX_BLOCKS
 from ..errors import SharedSettingsError
 from .apply import Applier, Snapshot
@@ -55,6 +56,8 @@ from .entries import (
     decode_batch,
     encode_batch,
     encode_entry,
+    entry_of,
+    evicted_ids,
     key_id,
     seal,
     unseal,
@@ -406,14 +409,23 @@ class SharedIndex:
         self._fresh_thread()
 
     # ---- the pilot's side (any thread, under the pilot's lock: quick) --------------------------
-    def _observe(self, kind: str, *details: Any) -> None:
+    def _observe(self, event: IndexEvent) -> None:
+        self._queue(entry_of(event, time.time()))
+
+    def publish(self, kind: str, *details: Any) -> None:
+        """Publish an entry that is not an index event (a router's ``("stick", conversation_id,
+        target)``); other workers hand it to the handler given to :meth:`on`."""
+        self._queue((kind, *details, time.time()))
+
+    def _queue(self, entry: Entry) -> None:
+        """Append an entry to the outbox (not one this thread learned by applying the stream), and wake the thread."""
         if getattr(self._local, "applying", False):
             return
         if self._thread is None:
             self._start()  # a forked child's first request
-        if kind == "evicted":
-            self.applier.remember_evicted(details[0])
-        self._outbox.append((kind, *details, time.time()))
+        if evicted := evicted_ids(entry):
+            self.applier.remember_evicted(evicted)
+        self._outbox.append(entry)
         if len(self._outbox) > self.options.max_unsent:
             self._outbox.popleft()
             self._dropped += 1
@@ -421,11 +433,6 @@ class SharedIndex:
             self._idle = False
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._wake.set)
-
-    def publish(self, kind: str, *details: Any) -> None:
-        """Publish an entry that is not an index event (a router's ``("stick", conversation_id,
-        target)``); other workers hand it to the handler given to :meth:`on`."""
-        self._observe(kind, *details)
 
     def status(self) -> dict[str, Any]:
         """What :meth:`ContextPilot.stats` reports (connected: this process's client runs, the
