@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -93,7 +94,7 @@ def test_the_trie_strategy_learns_popularity_per_partition() -> None:
 def test_a_call_whose_body_names_another_partition_moves_the_request_there() -> None:
     pilot = ContextPilot()
     seen: list[tuple[Any, ...]] = []
-    pilot.add_observer(lambda kind, *details: seen.append((kind, *details)))
+    pilot.add_observer(lambda event: seen.append((type(event).__name__.lower(), *astuple(event))))
     pilot.prepare(DOCS[:4], "earlier", partition=A)
     binding = Binding(pilot, pilot.prepare(DOCS[:4], "prepared without a tenant"))
     assert binding.prepared.cached_blocks == 0

@@ -7,12 +7,30 @@
 - :mod:`.stats`: :class:`PilotStats` and the counters;
 - :mod:`.ports`: the narrow interfaces its users above talk through;
 - :mod:`.wiring`: the shared log plugged in when sharing is on.
+
+What its observers hear (:meth:`ContextPilot.add_observer`) are the events of
+:mod:`..core.events`, exported here.
 """
 
 from __future__ import annotations
 
+from ..core.events import Evicted, IndexEvent, Observer, Reset, Restored, Sent, Truncated
 from .facade import ContextPilot, join
 from .planner import BatchItem, BatchRequest, batch_request
 from .stats import PilotStats
 
-__all__ = ["BatchItem", "BatchRequest", "ContextPilot", "PilotStats", "batch_request", "join"]
+__all__ = [
+    "BatchItem",
+    "BatchRequest",
+    "ContextPilot",
+    "Evicted",
+    "IndexEvent",
+    "Observer",
+    "PilotStats",
+    "Reset",
+    "Restored",
+    "Sent",
+    "Truncated",
+    "batch_request",
+    "join",
+]

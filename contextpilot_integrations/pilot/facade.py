@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..core.annotations import DEFAULT_TEMPLATES, Templates, render_block
 from ..core.blocks import CHARS_PER_TOKEN, BlockLike, normalize_blocks
 from ..core.conversations import ConversationStore
+from ..core.events import Observer
 from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_token_count, check_usage
@@ -112,13 +113,13 @@ class ContextPilot:
         self.shared: SharedIndex | None = share(self, shared)
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""
 
-    def add_observer(self, observer: Callable[..., None]) -> None:
-        """Call ``observer(kind, *details)`` under the lock (quick, never raising) as the index changes: ``("sent",
-        rid, keys, token_counts)``, ``("evicted", rids)``, ``("truncated"|"restored", rid, blocks)``, ``("reset",)``."""
+    def add_observer(self, observer: Observer) -> None:
+        """Call ``observer(event)`` under the lock (quick, never raising) as the index changes, in order: a ``Sent``,
+        ``Evicted``, ``Truncated``, ``Restored`` or ``Reset`` of :mod:`~contextpilot_integrations.core.events`."""
         with self._lock:
             self._state.observers = [*self._state.observers, observer]
 
-    def remove_observer(self, observer: Callable[..., None]) -> None:
+    def remove_observer(self, observer: Observer) -> None:
         with self._lock:
             self._state.observers = [o for o in self._state.observers if o is not observer]
 

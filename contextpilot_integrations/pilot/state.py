@@ -17,11 +17,12 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ..core.blocks import Block
+from ..core.events import Evicted, IndexEvent, Observer, Reset, Restored, Sent, Truncated
 from ..core.gain import index_keys, key_block, labelled_keys, plain_keys
 from ..core.prepared import PreparedRequest
 from ..core.validation import check_request_id
@@ -47,7 +48,7 @@ class EngineState:
         self.footprints: dict[str, int] = {}  # live request id -> tokens it added to the engine's cache
         self.held_tokens = 0  # their sum
         self.hears_evictions = False  # the engine's evictions reach the pilot (KV events, a simulator)
-        self.observers: list[Callable[..., None]] = []
+        self.observers: list[Observer] = []
         self._unshared = threading.local()
         self._ticks = itertools.count()
         self._id_base = id_prefix
@@ -74,11 +75,13 @@ class EngineState:
         """A prefix no other process makes (random, renewed in a forked child) and its count."""
         return f"{self._id_base}-{secrets.token_hex(6)}-", itertools.count(), os.getpid()
 
-    def notify(self, kind: str, *details: Any) -> None:
+    def notify(self, event: IndexEvent) -> None:
+        """Tell every observer of ``event``, here under the pilot's lock, so that they hear
+        the changes in the order the index made them (whichever thread made each)."""
         if getattr(self._unshared, "depth", 0):  # a change this worker keeps to itself
             return
         for observer in self.observers:
-            observer(kind, *details)
+            observer(event)
 
     @contextlib.contextmanager
     def unshared(self) -> Iterator[None]:
@@ -100,7 +103,7 @@ class EngineState:
         self.orders[rid] = tuple(order)
         self.enforce_bound()
         if blocks is not None and self.observers:
-            self.notify("sent", rid, tuple(order), tuple([block.token_count for block in blocks]))
+            self.notify(Sent(rid, tuple(order), tuple([block.token_count for block in blocks])))
         return cached
 
     def adopt(self, prepared: PreparedRequest, fresh_id: bool) -> PreparedRequest:
@@ -133,7 +136,7 @@ class EngineState:
         self._drop(rid)
         self.orders.pop(rid, None)
         if self.observers:
-            self.notify("evicted", (rid,))
+            self.notify(Evicted((rid,)))
         cached = self.record(rid, index_keys(moved), moved.blocks)
         return replace(moved, cached_blocks=cached, cached_tokens=sum(b.token_count for b in moved.blocks[:cached]))
 
@@ -196,13 +199,13 @@ class EngineState:
                 evicted += 1
         self.counters.evicted += evicted
         if self.observers and request_ids:
-            self.notify("evicted", tuple(request_ids))
+            self.notify(Evicted(tuple(request_ids)))
         return evicted
 
     def truncate(self, request_id: str, cached_blocks: int, heard: bool = False) -> bool:
         self.hears_evictions |= heard
         if self.observers:
-            self.notify("truncated", request_id, cached_blocks)
+            self.notify(Truncated(request_id, cached_blocks))
         if request_id not in self.live:
             return False
         if cached_blocks == 0:
@@ -218,7 +221,7 @@ class EngineState:
 
     def restore(self, request_id: str, cached_blocks: int | None) -> bool:
         if self.observers:
-            self.notify("restored", request_id, cached_blocks)
+            self.notify(Restored(request_id, cached_blocks))
         order = self.orders.get(request_id)
         if order is None:
             return False
@@ -244,7 +247,7 @@ class EngineState:
         self.trie.clear()
         self.strategy.reset()
         if self.observers:
-            self.notify("reset")
+            self.notify(Reset())
 
     def forget(self, rid: str) -> None:
         self.trie.evict(rid)

@@ -52,6 +52,13 @@ Deployment: run the broker with authentication (user and password, token, nkey o
 starts with a user and a random password. After a fork (``gunicorn --preload``) the child
 starts a client of its own.
 
+The parts: :mod:`.client` (:class:`SharedIndex`, composing the rest), :mod:`.options`
+(:class:`SharedOptions`), :mod:`.outbox` (what this worker publishes), :mod:`.follower`
+(the stream read and applied), :mod:`.apply` (applying entries and snapshots, idempotently),
+:mod:`.snapshots`, :mod:`.connection` (the client's thread and broker sessions),
+:mod:`.broker` (the stream's facts, the broker's clock), :mod:`.entries` (the wire format,
+index events to entries and back), :mod:`.replica` (what it needs of an index).
+
 Install: ``pip install 'contextpilot-integrations[shared]'``.
 """
 
@@ -60,7 +67,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import SharedSettingsError
-from .client import SECRET_ENV, SharedIndex, SharedOptions
+from .client import SharedIndex
+from .options import SECRET_ENV, SharedOptions
 from .replica import LockOf, Replica
 
 __all__ = ["SECRET_ENV", "Replica", "SharedIndex", "SharedOptions", "SharedSettingsError", "attach"]

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.events import Evicted, Reset, Restored, Sent, Truncated
 from ..core.validation import MAX_BLOCKS
-from .entries import Entry
+from .entries import Entry, event_of
 from .replica import LockOf, Replica
 
 __all__ = ["Applier", "Snapshot"]
@@ -117,31 +118,31 @@ class Applier:
     def apply(self, entry: Entry, own: bool) -> None:
         """Apply one checked entry (see :func:`.entries.decode_batch`), in stream order.
         ``own``: this worker published it (a router's own "stick" is already recorded)."""
-        kind, pilot = entry[0], self.pilot
+        pilot = self.pilot
         try:
-            if kind == "sent":
-                _, rid, order, tokens, _ = entry
-                limit = pilot.cache_tokens
-                if (
-                    (limit is not None and sum(tokens) > limit)  # larger than this engine's cache: never indexed
-                    or self.is_evicted(rid)
-                    or not pilot.record_sent(rid, order)
-                ):
-                    self.skipped += 1
-                    return
-            elif kind == "evicted":
-                self.remember_evicted(entry[1])
-                for start in range(0, len(entry[1]), _PART):  # the pilot's lock let go between parts
-                    pilot.evict(entry[1][start : start + _PART])
-            elif kind == "truncated":
-                pilot.truncate(entry[1], entry[2])
-            elif kind == "restored":
-                if pilot.restore(entry[1], entry[2]) and entry[1] in pilot.live_request_ids():
-                    self.forget_evicted(entry[1])  # back in the engine: a later "sent" replay may index it
-            elif kind == "reset":
-                pilot.reset()
-            elif kind in self.handlers and not own:
-                self.handlers[kind](*entry[1:-1])
+            match event_of(entry):
+                case Sent(rid, order, tokens):
+                    limit = pilot.cache_tokens
+                    if (
+                        (limit is not None and sum(tokens) > limit)  # larger than this engine's cache: never indexed
+                        or self.is_evicted(rid)
+                        or not pilot.record_sent(rid, order)
+                    ):
+                        self.skipped += 1
+                        return
+                case Evicted(request_ids):
+                    self.remember_evicted(request_ids)
+                    for start in range(0, len(request_ids), _PART):  # the pilot's lock let go between parts
+                        pilot.evict(request_ids[start : start + _PART])
+                case Truncated(rid, cached_blocks):
+                    pilot.truncate(rid, cached_blocks)
+                case Restored(rid, cached_blocks):
+                    if pilot.restore(rid, cached_blocks) and rid in pilot.live_request_ids():
+                        self.forget_evicted(rid)  # back in the engine: a later "sent" replay may index it
+                case Reset():
+                    pilot.reset()
+                case None if entry[0] in self.handlers and not own:
+                    self.handlers[entry[0]](*entry[1:-1])
         except (TypeError, ValueError):
             self.skipped += 1  # what the pilot refuses (a request over its bounds) never stops this worker
             return

@@ -1,8 +1,10 @@
 """The shared log's entries: what one worker tells the others, as compact, signed JSON.
 
 One broker message carries a batch of entries from one worker, in the order that worker
-learned them. Each entry is one of the pilot's observer events (see
-:meth:`ContextPilot.add_observer <contextpilot_integrations.ContextPilot.add_observer>`)::
+learned them. Each entry is one of the index events of
+:mod:`~contextpilot_integrations.core.events` (what the pilot's observers hear: see
+:meth:`ContextPilot.add_observer <contextpilot_integrations.ContextPilot.add_observer>`),
+written by :func:`entry_of` and read back by :func:`event_of`, here only::
 
     ["sent", request_id, [block ids in send order], [token counts], time]
     ["evicted", [request ids], time]
@@ -36,12 +38,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.events import Evicted, IndexEvent, Reset, Restored, Sent, Truncated
 from ..core.validation import MAX_BLOCKS
 
-__all__ = ["Batch", "Entry", "block_count", "decode_batch", "encode_batch", "key_id", "seal", "unseal"]
+__all__ = [
+    "Batch",
+    "Entry",
+    "block_count",
+    "decode_batch",
+    "encode_batch",
+    "entry_of",
+    "event_of",
+    "evicted_ids",
+    "key_id",
+    "seal",
+    "unseal",
+]
 
 Entry = tuple[Any, ...]
-"""(kind, *details, time): an observer event with the time it was learned."""
+"""(kind, *details, time): an index event (or a router's ``stick``) with the time it was learned."""
 
 _FORMAT = 2  # 2: bound to the stream's identity, with the time it was signed
 _MAC = 64  # hex digits of an HMAC-SHA256
@@ -96,6 +111,46 @@ def key_id(key: bytes) -> str:
 def _mac(key: bytes, context: str, body: bytes) -> bytes:
     message = b"contextpilot-shared/2\x00" + context.encode() + b"\x00" + body
     return hmac.new(key, message, hashlib.sha256).hexdigest().encode()
+
+
+def entry_of(event: IndexEvent, when: float) -> Entry:
+    """The entry of an index event learned at ``when``."""
+    match event:
+        case Sent(request_id, keys, token_counts):
+            return ("sent", request_id, keys, token_counts, when)
+        case Evicted(request_ids):
+            return ("evicted", request_ids, when)
+        case Truncated(request_id, cached_blocks):
+            return ("truncated", request_id, cached_blocks, when)
+        case Restored(request_id, cached_blocks):
+            return ("restored", request_id, cached_blocks, when)
+        case Reset():
+            return ("reset", when)
+
+
+def event_of(entry: Entry) -> IndexEvent | None:
+    """The index event of an entry (checked by :func:`decode_batch`); ``None`` for an entry
+    that is not about the index (a router's ``stick``). TypeError or ValueError for an
+    entry of an index kind without its fields."""
+    kind = entry[0]
+    if kind == "sent":
+        _, request_id, keys, token_counts, _ = entry
+        return Sent(request_id, tuple(keys), tuple(token_counts))
+    if kind == "evicted":
+        return Evicted(tuple(entry[1]))
+    if kind == "truncated":
+        return Truncated(entry[1], entry[2])
+    if kind == "restored":
+        return Restored(entry[1], entry[2])
+    if kind == "reset":
+        return Reset()
+    return None
+
+
+def evicted_ids(entry: Entry) -> Sequence[str]:
+    """The request ids an entry evicts (none: it is of another kind)."""
+    ids: Sequence[str] = entry[1] if entry[0] == "evicted" else ()
+    return ids
 
 
 def encode_entry(entry: Entry) -> bytes:

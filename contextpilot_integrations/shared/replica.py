@@ -3,13 +3,15 @@
 The shared log is a plug-in of the index: it is handed one :class:`Replica` (a
 :class:`~contextpilot_integrations.ContextPilot` is one) and never imports the pilot. It
 applies other workers' entries through the replica's mutators and hears of this worker's
-changes through an observer.
+changes through an observer (one :mod:`~..core.events` event per change).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
+
+from ..core.events import Observer
 
 __all__ = ["LockOf", "Replica"]
 
@@ -38,6 +40,6 @@ class Replica(Protocol):
 
     def live_orders(self) -> list[tuple[str, tuple[str, ...]]]: ...
 
-    def add_observer(self, observer: Callable[..., None]) -> None: ...
+    def add_observer(self, observer: Observer) -> None: ...
 
-    def remove_observer(self, observer: Callable[..., None]) -> None: ...
+    def remove_observer(self, observer: Observer) -> None: ...

@@ -22,7 +22,7 @@ def per_target(shared: Any, target: str) -> Any:
         shared = os.environ.get(ENV) or None
     if shared is None:
         return None
-    from .client import SharedOptions
+    from .options import SharedOptions
 
     if isinstance(shared, str):
         return SharedOptions(url=shared, scope=target)

@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.engines import EvictionListener, KvEventBatch, KvEventSink
 from contextpilot_integrations.engines.kv_mapping import EngineBlockMap
+from contextpilot_integrations.pilot import IndexEvent
 
 JSON = {"Content-Type": "application/json"}
 HEAD = b"POST /evict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -440,8 +440,8 @@ def test_events_from_a_listener_without_a_token_stay_in_this_worker() -> None:
     worker's index but reaches no observer (the shared log); with a token it does."""
     for token in (None, "s3cret-token"):
         pilot = ContextPilot()
-        heard: list[tuple[Any, ...]] = []
-        pilot.add_observer(lambda *change, into=heard: into.append(change))
+        heard: list[IndexEvent] = []
+        pilot.add_observer(lambda event, into=heard: into.append(event))
         rid = pilot.prepare(["alpha text", "beta text"], "q").request_id
         heard.clear()
         with EvictionListener(pilot, token=token) as running:

