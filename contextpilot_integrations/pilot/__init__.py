@@ -5,14 +5,14 @@
 - :mod:`.planner`: prepare one request, plan a batch, the send decision;
 - :mod:`.reports`: what an engine's or a hosted API's report means for the index;
 - :mod:`.stats`: :class:`PilotStats` and the counters;
-- :mod:`.ports`: the narrow interfaces its users above talk through;
+- :mod:`.ports`: the narrow interfaces its users above talk through (a router's group of pilots);
 - :mod:`.wiring`: the shared log plugged in when sharing is on.
 """
 
 from __future__ import annotations
 
-from .facade import ContextPilot, join
+from .facade import ContextPilot
 from .planner import BatchItem, BatchRequest, batch_request
 from .stats import PilotStats
 
-__all__ = ["BatchItem", "BatchRequest", "ContextPilot", "PilotStats", "batch_request", "join"]
+__all__ = ["BatchItem", "BatchRequest", "ContextPilot", "PilotStats", "batch_request"]

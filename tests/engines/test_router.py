@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,22 @@ def test_baseline_routings() -> None:
     assert least.prepare(docs("x"), "q").target.name == "b"
     with pytest.raises(ValueError, match="routing"):
         Router(TARGETS, routing="random")
+
+
+def test_bind_binds_the_routed_targets_pilot_to_the_prepared_request() -> None:
+    routed = Router(TARGETS).prepare(docs("x", "y"), "q", "c1", kept_turns=[], partition="tenant")
+    binding = (router := Router(TARGETS)).bind(docs("x", "y"), "q", "c1", kept_turns=[], partition="tenant")
+    assert binding.pilot is router.pilot(routed.target)
+    assert replace(binding.prepared, request_id=routed.prepared.request_id) == routed.prepared  # ids are random
+    assert binding.prepared.request_id in binding.pilot.live_request_ids()
+    assert router.conversation_target("c1") == routed.target.name
+
+
+def test_abind_binds_under_asyncio() -> None:
+    router = Router(TARGETS)
+    binding = asyncio.run(router.abind(docs("x", "y"), "q"))
+    assert router.target_of(binding.pilot) is not None
+    assert binding.prepared.request_id in binding.pilot.live_request_ids()
 
 
 def test_router_batches_keep_similar_requests_together_and_balance() -> None:
