@@ -20,7 +20,8 @@ request larger than every target's cache is sent anyway (to the least loaded) an
 as cached nowhere. A call that raises, bad input included, leaves the routing state as it was.
 
 The parts, one job each: :mod:`.selector` (the decision), :mod:`.health` (breakers and
-counters), :mod:`.pilot_group` (the pilots), :mod:`.routing_client` (:class:`RoutingClient`
+counters), :mod:`.pilot_group` (the pilots), :mod:`.placements` (where each conversation
+lives), :mod:`.routing_client` (:class:`RoutingClient`
 sends; thread-safe, sync and async); the router composes them.
 """
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -51,6 +51,7 @@ from ..pilot.binding import Binding
 from ..pilot.ports import Broadcast
 from .health import Health, TargetStats, is_unreachable, send_outcome
 from .pilot_group import PilotGroup
+from .placements import Placements
 from .routing_client import RoutedResult, RoutingClient
 from .selector import ROUTINGS, CacheAwarePolicy, select
 from .targets import Routed, Target
@@ -151,7 +152,7 @@ class Router:
         self._group = PilotGroup(names, strategy, max_conversations, shared, **pilot_options)
         self._health = Health(names, breaker_failures, down_seconds)
         self._by_name = {t.name: t for t in self.targets}
-        self._conversations: OrderedDict[str, str] = OrderedDict()  # conversation -> target name
+        self._placements = Placements(max_conversations)  # conversation -> target name
         self._next = 0
         self._lock = threading.Lock()
         for pilot in self._group.pilots.values():
@@ -164,10 +165,7 @@ class Router:
         if not isinstance(conversation_id, str) or name not in self._by_name:
             return
         with self._lock:
-            self._conversations[conversation_id] = name
-            self._conversations.move_to_end(conversation_id)
-            while len(self._conversations) > self.max_conversations:
-                self._conversations.popitem(last=False)
+            self._placements.record({conversation_id: name})
 
     # ---- state ----------------------------------------------------------------------------
     def pilot(self, target: Target | str) -> ContextPilot:
@@ -205,7 +203,7 @@ class Router:
     def conversation_target(self, conversation_id: str) -> str | None:
         """The name of the target a conversation stays on, if it is remembered."""
         with self._lock:
-            return self._conversations.get(conversation_id)
+            return self._placements.get(conversation_id)
 
     def started(self, target: Target) -> None:
         """A send to ``target`` begins; past an open breaker's cool-down it is the probe."""
@@ -231,7 +229,7 @@ class Router:
         """Forget a conversation: where it lives and what its turns showed. Returns whether
         it was tracked."""
         with self._lock:
-            stuck = self._conversations.pop(conversation_id, None) is not None
+            stuck = self._placements.forget(conversation_id)
         return self._group.end_conversation(conversation_id) or stuck
 
     def withdraw(self, routed: Routed) -> None:
@@ -280,7 +278,7 @@ class Router:
         (``draft`` counts the round-robin turn it takes)."""
         sticky = None
         if conversation_id is not None:
-            sticky = draft.sticks.get(conversation_id) or self._conversations.get(conversation_id)
+            sticky = draft.sticks.get(conversation_id) or self._placements.get(conversation_id)
         health = self._health.targets
         keys = in_partition([block.id for block in blocks], partition) if self.routing == "cache_aware" else []
 
@@ -311,14 +309,7 @@ class Router:
         """Record decisions (with the lock held): round-robin turns taken, and where each
         conversation lives (most recent last; the least recent beyond the bound forgotten)."""
         self._next += draft.turned
-        for conversation_id, name in draft.sticks.items():
-            shared: Broadcast | None = self.pilot(name).shared
-            if shared is not None and self._conversations.get(conversation_id) != name:
-                shared.publish("stick", conversation_id, name)
-            self._conversations[conversation_id] = name
-            self._conversations.move_to_end(conversation_id)
-        while len(self._conversations) > self.max_conversations:
-            self._conversations.popitem(last=False)
+        self._placements.record(draft.sticks, lambda name: self.pilot(name).shared)
 
     def prepare(
         self,

@@ -393,7 +393,7 @@ def routing_state(router: Router) -> tuple[object, ...]:
     """Everything a rejected call must leave as it was."""
     turns = {cid: (c.turns, dict(c.carrier)) for cid, c in router._group.conversations._conversations.items()}
     live = {t.name: router.pilot(t).live_request_ids() for t in router.targets}
-    return dict(router._conversations), router._next, turns, live, router.loads()
+    return dict(router._placements._where), router._next, turns, live, router.loads()
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
