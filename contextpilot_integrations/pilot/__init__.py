@@ -5,7 +5,7 @@
 - :mod:`.planner`: prepare one request, plan a batch, the send decision;
 - :mod:`.reports`: what an engine's or a hosted API's report means for the index;
 - :mod:`.stats`: :class:`PilotStats` and the counters;
-- :mod:`.ports`: the narrow interfaces its users above talk through;
+- :mod:`.ports`: the narrow interfaces its users above talk through (a router's group of pilots);
 - :mod:`.wiring`: the shared log plugged in when sharing is on.
 
 What its observers hear (:meth:`ContextPilot.add_observer`) are the events of
@@ -15,7 +15,7 @@ What its observers hear (:meth:`ContextPilot.add_observer`) are the events of
 from __future__ import annotations
 
 from ..core.events import Evicted, IndexEvent, Observer, Reset, Restored, Sent, Truncated
-from .facade import ContextPilot, join
+from .facade import ContextPilot
 from .planner import BatchItem, BatchRequest, batch_request
 from .stats import PilotStats
 
@@ -32,5 +32,4 @@ __all__ = [
     "Sent",
     "Truncated",
     "batch_request",
-    "join",
 ]

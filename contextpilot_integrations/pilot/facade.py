@@ -12,18 +12,16 @@ alike; a batch is planned off the lock.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..core.annotations import DEFAULT_TEMPLATES, Templates, render_block
 from ..core.blocks import CHARS_PER_TOKEN, BlockLike, normalize_blocks
-from ..core.conversations import ConversationStore
 from ..core.events import Observer
 from ..core.gain import FORMS, Form, TokenCounter, estimate_tokens
 from ..core.prepared import PreparedRequest
@@ -31,6 +29,7 @@ from ..core.usage import check_token_count, check_usage
 from ..core.validation import check_count, check_partition, check_sizes
 from ..providers.plan import CachePlan
 from ..providers.usage import ProviderUsage
+from .group import ALONE, Group
 from .planner import BatchItem, Planner
 from .reports import Reports
 from .state import EngineState, checked_ids, checked_order
@@ -40,9 +39,7 @@ from .wiring import share
 if TYPE_CHECKING:
     from ..shared.client import SharedIndex
 
-__all__ = ["Binding", "ContextPilot", "join", "sent_in_parts"]
-
-_Store = TypeVar("_Store", bound=ConversationStore)
+__all__ = ["Binding", "ContextPilot", "sent_in_parts"]
 
 SENT_PART = 1_024
 """Blocks of another worker's request indexed under one hold of the pilot's lock."""
@@ -95,6 +92,7 @@ class ContextPilot:
         token_counter: TokenCounter | None = None,
         page_tokens: int | None = None,
         keep_top: bool = True,
+        _group: Group = ALONE,  # internal: a router's pilots share one lock and conversation store
         **strategy_options: Any,
     ) -> None:
         if max_live_requests < 1 or order_form not in FORMS:
@@ -106,8 +104,7 @@ class ContextPilot:
         self.max_live_requests, self._engines_read = max_live_requests, OrderedDict[str, float]()  # see wiring
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
         self._trie, self._strategy = self._state.trie, self._state.strategy
-        self._conversations = ConversationStore(conversation_ttl, max_conversations)
-        self._lock: Any = threading.RLock()
+        self._lock, self._conversations = _group.lock(), _group.store(conversation_ttl, max_conversations)
         self._planner = Planner(self._state, self._conversations, weakref.proxy(self))  # no cycle: freed when dropped
         self._reports = Reports(self._state, self._conversations, self._planner.outlook)
         self.shared: SharedIndex | None = share(self, shared)
@@ -385,14 +382,3 @@ def sent_in_parts(lock: Any, reports: Reports, request_id: str, order: list[str]
         if end is None:
             break
     return new
-
-
-def join(pilots: Sequence[ContextPilot], lock: Any, make_store: Callable[[float | None], _Store]) -> _Store:
-    """Let these pilots (a router's, one per engine) share one lock and one conversation
-    store, ``make_store(ttl)`` with the first pilot's ttl: a conversation moves between
-    engines, and one step may touch several pilots. Returns the store."""
-    store = make_store(pilots[0]._conversations.ttl)
-    for pilot in pilots:
-        pilot._lock = lock
-        pilot._conversations = pilot._planner.conversations = pilot._reports.conversations = store
-    return store

@@ -7,6 +7,8 @@
   :class:`~.facade.Binding` a model call later sends and reports to. No caller tells them
   apart.
 - :class:`BatchPlanner`: what a micro-batcher plans a burst with (a pilot, or a router).
+- :class:`~.group.Group`: the one lock and conversation store a router's pilots are built
+  with (in :mod:`.group`, below the facade that takes it).
 - :class:`Broadcast`: a router's channel for its own entries (where each conversation
   lives) when sharing is on. The shared log itself talks to the pilot through the interface
   it owns, :class:`~..shared.replica.Replica`.
@@ -19,9 +21,10 @@ from typing import Any, Protocol, TypeVar
 
 from ..core.blocks import BlockLike
 from .facade import Binding
+from .group import ALONE, Group
 from .planner import BatchRequest
 
-__all__ = ["BatchPlanner", "Broadcast", "Preparer"]
+__all__ = ["ALONE", "BatchPlanner", "Broadcast", "Group", "Preparer"]
 
 Result = TypeVar("Result")
 

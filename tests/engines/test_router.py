@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from contextpilot_integrations import Block, ContextPilot, MicroBatcher
 from contextpilot_integrations.engines import CacheAwarePolicy, EngineUnavailable, Router, RoutingClient, Target
+from contextpilot_integrations.pilot.binding import aprepare_bound, prepare_bound
 from contextpilot_integrations.testing.llama_server import free_port
 from contextpilot_integrations.whatif import multihop_trace, working_set_tokens
 from contextpilot_integrations.whatif.replay import replay_routed
@@ -76,6 +78,22 @@ def test_baseline_routings() -> None:
     assert least.prepare(docs("x"), "q").target.name == "b"
     with pytest.raises(ValueError, match="routing"):
         Router(TARGETS, routing="random")
+
+
+def test_prepare_bound_binds_the_routed_targets_pilot_to_the_prepared_request() -> None:
+    routed = Router(TARGETS).prepare(docs("x", "y"), "q", "c1", kept_turns=[], partition="tenant")
+    binding = prepare_bound(router := Router(TARGETS), docs("x", "y"), "q", "c1", kept_turns=[], partition="tenant")
+    assert binding.pilot is router.pilot(routed.target)
+    assert replace(binding.prepared, request_id=routed.prepared.request_id) == routed.prepared  # ids are random
+    assert binding.prepared.request_id in binding.pilot.live_request_ids()
+    assert router.conversation_target("c1") == routed.target.name
+
+
+def test_aprepare_bound_binds_under_asyncio() -> None:
+    router = Router(TARGETS)
+    binding = asyncio.run(aprepare_bound(router, docs("x", "y"), "q"))
+    assert router.target_of(binding.pilot) is not None
+    assert binding.prepared.request_id in binding.pilot.live_request_ids()
 
 
 def test_router_batches_keep_similar_requests_together_and_balance() -> None:

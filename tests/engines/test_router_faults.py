@@ -391,9 +391,9 @@ def test_timeouts_are_not_unreachable_but_refused_connections_are() -> None:
 # ---- 4. a rejected call changes nothing -----------------------------------------------------------------------
 def routing_state(router: Router) -> tuple[object, ...]:
     """Everything a rejected call must leave as it was."""
-    turns = {cid: (c.turns, dict(c.carrier)) for cid, c in router._turns._conversations.items()}
+    turns = {cid: (c.turns, dict(c.carrier)) for cid, c in router._group.conversations._conversations.items()}
     live = {t.name: router.pilot(t).live_request_ids() for t in router.targets}
-    return dict(router._conversations), router._next, turns, live, router.loads()
+    return dict(router._placements._where), router._next, turns, live, router.loads()
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
