@@ -32,7 +32,7 @@ from ..pilot.telemetry import record_model_call
 from ..providers.usage import ProviderUsage
 from .hosted_feedback import report_provider_served
 
-__all__ = ["EngineAccess", "EngineUsage", "MessageTexts", "ModelCall", "reraise"]
+__all__ = ["EngineAccess", "EngineUsage", "MessageTexts", "ModelCall", "id_fields", "reraise"]
 
 M = TypeVar("M")
 """A framework's message type."""
@@ -108,14 +108,8 @@ class ModelCall:
     def id_fields(
         self, engine: str | None, extra_body: Mapping[str, Any] | None, *, prompt_ids: bool
     ) -> dict[str, Any]:
-        """The request body's ``extra_body``: ``engine``'s fields carrying the request id, and
-        (``prompt_ids``) the ask for the prompt's token ids."""
-        extra = dict(extra_body or {})
-        for name in wire.REQUEST_ID_FIELDS.get(engine or "", ()):
-            extra[name] = self.request_id
-        if prompt_ids:
-            extra.update(wire.PROMPT_IDS_REQUEST.get(engine or "", {}))
-        return extra
+        """The request body's ``extra_body`` with this call's request id (:func:`id_fields`)."""
+        return id_fields(engine, self.request_id, extra_body, prompt_ids=prompt_ids)
 
     def learn_engine(self, engine: str | None, access: EngineAccess | None, discover: bool | None) -> None:
         """Once per pilot and engine, on a thread of its own: the engine's page size, KV pool
@@ -195,6 +189,19 @@ class ModelCall:
             if self.retake is not None:
                 self.retake(self.binding)
         return as_engine_error(exc, where)
+
+
+def id_fields(
+    engine: str | None, rid: str, extra_body: Mapping[str, Any] | None, *, prompt_ids: bool
+) -> dict[str, Any]:
+    """The request body's ``extra_body``: ``engine``'s fields carrying the request id ``rid``,
+    and (``prompt_ids``) the ask for the prompt's token ids."""
+    extra = dict(extra_body or {})
+    for name in wire.REQUEST_ID_FIELDS.get(engine or "", ()):
+        extra[name] = rid
+    if prompt_ids:
+        extra.update(wire.PROMPT_IDS_REQUEST.get(engine or "", {}))
+    return extra
 
 
 def reraise(error: BaseException, original: BaseException) -> NoReturn:

@@ -1,4 +1,5 @@
-"""LangChain's pieces of the model-call protocol (:class:`~contextpilot_integrations.integration.model_call.ModelCall`).
+"""LangChain's pieces of the model-call protocol (the core's
+:class:`~contextpilot_integrations.integration.model_call.ModelCall`).
 
 Where a call's prepared request comes from (named by a routed call, else taken from the
 invocation's run tree), the texts of LangChain's messages (string contents and text parts),
