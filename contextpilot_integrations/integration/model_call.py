@@ -181,14 +181,15 @@ class ModelCall:
             usage_feedback=usage_feedback,
         )
 
-    def failed(self, exc: BaseException, where: str) -> BaseException:
+    def failed(self, exc: BaseException, where: str | None = None) -> BaseException:
         """The call failed: the pilot forgets the request and a retry may take it again.
-        Returns ``exc`` as the error to raise (a broken connection: ``EngineUnavailable``)."""
+        Returns the error to raise: with ``where`` (the caller's name), a broken connection
+        as ``EngineUnavailable``; else ``exc`` as it is."""
         if self.binding is not None:
             report_failed(self.binding.pilot, self.binding.prepared, self.tracker)
             if self.retake is not None:
                 self.retake(self.binding)
-        return as_engine_error(exc, where)
+        return exc if where is None else as_engine_error(exc, where)
 
 
 def id_fields(

@@ -289,7 +289,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         try:
             response = handler(request)
         except BaseException as exc:
-            call.failed(exc, type(self).__name__)
+            call.failed(exc)
             raise
         self._report(call, provider, response)
         return response
@@ -301,7 +301,7 @@ class ContextPilotMiddleware(AgentMiddleware):
         try:
             response = await handler(request)
         except BaseException as exc:  # cancelled too: the request may never have left
-            call.failed(exc, type(self).__name__)
+            call.failed(exc)
             raise
         self._report(call, provider, response)
         return response
