@@ -1,7 +1,7 @@
 """OpenTelemetry spans of model calls, with the GenAI semantic conventions' usage (the ``[otel]`` extra).
 
-When an adapter reads a prepared request's answer back (LangChain's ``_model_calls.report``,
-LlamaIndex's ``_llm_calls.report``), :func:`record_model_call` records one span ``chat {model}``
+When an adapter reads a prepared request's answer back (both adapters through
+``integration.model_call.ModelCall``), :func:`record_model_call` records one span ``chat {model}``
 (kind ``CLIENT``, a child of the current span) with the usage the answer reported and what the
 index had predicted for it, so a trace shows the engine's cache reads beside ContextPilot's
 prediction. Only the ``opentelemetry.trace`` API is used: without an SDK configured the span is a

@@ -1,31 +1,28 @@
-"""What every model call of this package does around the provider's own call.
+"""LangChain's pieces of the model-call protocol (the core's
+:class:`~contextpilot_integrations.integration.model_call.ModelCall`).
 
-Before: take the prepared request of this invocation (or the one named explicitly), put
-back the text of any location reference whose target the messages do not carry, and add
-the engine's request-id fields. After: the engine's token counts go to the request's
-pilot; a failure makes the pilot forget the request (and lets a retry take it again).
-Transport failures surface as the core's :class:`EngineUnavailable`.
+Where a call's prepared request comes from (named by a routed call, else taken from the
+invocation's run tree), the texts of LangChain's messages (string contents and text parts),
+the documents a graph's or agent's state keeps in full, and the usage of an answer
+(LangChain's standard ``usage_metadata``). The protocol itself is the core's.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import ensure_config
 
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
-from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
-from contextpilot_integrations.errors import as_engine_error
-from contextpilot_integrations.pilot.binding import Binding, checked_for_sending
-from contextpilot_integrations.pilot.telemetry import record_model_call
+from contextpilot_integrations.engines.feedback import EventTracker
+from contextpilot_integrations.integration.model_call import EngineUsage, MessageTexts, ModelCall
+from contextpilot_integrations.pilot.binding import Binding
 
 from . import _binding
 from ._written import as_sent, newest_written, note_written
-from .cache_markers import _part_text
+from .cache_markers import part_text
 
 BINDING_KWARG = "_contextpilot_binding"
 """A routed call names its request to the target's model explicitly."""
@@ -33,30 +30,26 @@ PROMPT_IDS_KEY = "prompt_token_ids"
 BLOCK_ENDS_KEY = "block_ends"
 
 
-def bind(
-    run_manager: Any, kwargs: dict[str, Any], messages: Sequence[BaseMessage]
-) -> tuple[Binding | None, list[BaseMessage]]:
-    """The call's prepared request, and the messages to send (every reference resolvable)."""
+def start(run_manager: Any, kwargs: dict[str, Any], tracker: EventTracker | None = None) -> ModelCall:
+    """The call and its prepared request: the one a routed call names in ``kwargs`` (taken
+    out of them), else the invocation's, from its run tree."""
     binding = kwargs.pop(BINDING_KWARG, None)
     if binding is None:
         # a model's stream() calls _stream without its run manager: the run's config is in context
         binding = _binding.take(run_manager if run_manager is not None else ensure_config().get("callbacks"))
-    messages, written = as_sent(messages)  # documents kept in full in a graph's state: referred to here
-    if binding is None:
-        return None, messages
-    return sendable(binding, messages, written, newest_written(messages))
+    return ModelCall(binding, tracker=tracker, retake=lambda taken: _binding.failed(run_manager, taken))
 
 
-def sendable(
-    binding: Binding, messages: list[BaseMessage], written: dict[str, list[str]], key: str | None
-) -> tuple[Binding, list[BaseMessage]]:
-    """Where messages leave (after :func:`~._written.as_sent`): the pilot told which of the
-    request's references went out in full (``key``: the request id its written message
-    records), every reference left resolvable, and the binding located in the messages."""
-    note_written(binding, written, key)
-    segments, places = _segments(messages)
-    binding = checked_for_sending(binding, segments)
-    return binding, _rebuilt(messages, segments, places)
+def sent(
+    call: ModelCall, messages: Sequence[BaseMessage], fields: Mapping[str, Any], key: str | None = None
+) -> list[BaseMessage]:
+    """The messages to send (:meth:`ModelCall.before`), documents kept in full in a graph's
+    state referred to here, the pilot told which of the request's references went out in full
+    (``key``: the request id its written message records; default: the newest one's)."""
+    out, written = as_sent(messages)
+    if call.binding is not None:
+        note_written(call.binding, written, key if key is not None else newest_written(out))
+    return call.before(out, MESSAGE_TEXTS, fields)
 
 
 def with_ids(
@@ -67,71 +60,28 @@ def with_ids(
     prompt_ids: bool,
 ) -> dict[str, Any]:
     """``kwargs`` plus the body fields that carry the request id (a fresh one when unbound)."""
-    fields = wire.REQUEST_ID_FIELDS.get(engine or "", ())
-    if not fields and not prompt_ids:
+    if not wire.REQUEST_ID_FIELDS.get(engine or "") and not prompt_ids:
         return kwargs
-    rid = binding.prepared.request_id if binding is not None else f"cp-{uuid.uuid4().hex}"
     extra = {**(extra_body or {}), **(kwargs.get("extra_body") or {})}
-    for name in fields:
-        extra[name] = rid
-    if prompt_ids:
-        extra.update(wire.PROMPT_IDS_REQUEST.get(engine or "", {}))
-    return {**kwargs, "extra_body": extra}
+    return {**kwargs, "extra_body": ModelCall(binding).id_fields(engine, extra, prompt_ids=prompt_ids)}
 
 
-def block_ends(tokenizer: BlockTokenizer | None, binding: Binding | None, message: Any) -> list[int] | None:
-    """Where each block of the request ends in the prompt's token ids the engine returned
-    (the core client's :class:`BlockTokenizer`: each distinct block tokenized once by the
-    engine), recorded in the message's ``response_metadata["block_ends"]``. ``None`` when
-    unknown: the conservative mapping."""
-    metadata = getattr(message, "response_metadata", None)
-    ids = (metadata or {}).get(PROMPT_IDS_KEY)
-    if tokenizer is None or binding is None or not ids:
-        return None
-    ends = tokenizer.block_ends(binding.prepared, ids)
-    if ends is not None and isinstance(metadata, dict):
-        metadata[BLOCK_ENDS_KEY] = list(ends)
-    return ends
-
-
-def report(
-    binding: Binding | None,
-    message: Any,
-    *,
-    usage_feedback: bool,
-    tracker: EventTracker | None,
-    block_ends: list[int] | None = None,
-    chat_model: Any = None,
-) -> None:
-    """The engine's counts (LangChain's standard ``usage_metadata``) to the request's pilot, and an
-    OpenTelemetry span of the call (the ``[otel]`` extra; ``chat_model``: the provider's model, which
-    names the model and provider where the message does not yet)."""
-    if binding is None or message is None:
-        return
+def usage_of(message: Any, chat_model: Any = None) -> EngineUsage:
+    """The engine's counts in an answer (``usage_metadata``, the prompt's token ids in its
+    ``response_metadata``); ``chat_model``: the provider's model, which names the model and
+    provider where the message does not yet."""
     usage = getattr(message, "usage_metadata", None) or {}
     details = usage.get("input_token_details") or {}
     metadata = getattr(message, "response_metadata", None) or {}
-    ids = metadata.get(PROMPT_IDS_KEY)
     model, provider = _described(chat_model, metadata)
-    record_model_call(
-        binding.prepared,
+    return EngineUsage(
+        prompt_tokens=usage.get("input_tokens"),
+        cached_tokens=details.get("cache_read"),
+        output_tokens=usage.get("output_tokens"),
+        cache_write_tokens=details.get("cache_creation"),
+        input_ids=metadata.get(PROMPT_IDS_KEY),
         model=model,
         provider=provider,
-        input_tokens=usage.get("input_tokens"),
-        output_tokens=usage.get("output_tokens"),
-        cache_read_tokens=details.get("cache_read"),
-        cache_write_tokens=details.get("cache_creation"),
-    )
-    report_served(
-        binding.pilot,
-        binding.prepared,
-        usage.get("input_tokens"),
-        details.get("cache_read"),
-        before_tokens=binding.before_tokens,
-        usage_feedback=usage_feedback,
-        tracker=tracker,
-        input_ids=ids,
-        block_ends=block_ends,
     )
 
 
@@ -148,17 +98,6 @@ def _described(chat_model: Any, metadata: dict[str, Any]) -> tuple[str | None, s
     return model, provider
 
 
-def failed(run_manager: Any, binding: Binding | None, tracker: EventTracker | None) -> None:
-    if binding is not None:
-        report_failed(binding.pilot, binding.prepared, tracker)
-        _binding.failed(run_manager, binding)
-
-
-def typed(exc: BaseException, where: str) -> BaseException:
-    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`."""
-    return as_engine_error(exc, where)
-
-
 def _segments(messages: Sequence[BaseMessage]) -> tuple[list[str], list[tuple[int, int | None]]]:
     """Every text of the messages in order, and where each came from (message, content part)."""
     segments: list[str] = []
@@ -170,7 +109,7 @@ def _segments(messages: Sequence[BaseMessage]) -> tuple[list[str], list[tuple[in
             places.append((index, None))
             continue
         for part_index, part in enumerate(content):
-            text = _part_text(part)
+            text = part_text(part)
             if text is not None:
                 segments.append(text)
                 places.append((index, part_index))
@@ -195,3 +134,7 @@ def _rebuilt(
             parts[part_index] = text if isinstance(part, str) else {**part, "text": text}
             out[index] = message.model_copy(update={"content": parts})
     return out
+
+
+MESSAGE_TEXTS: MessageTexts[BaseMessage, tuple[int, int | None]] = MessageTexts(_segments, _rebuilt)
+"""LangChain's messages as texts: string contents and text parts."""

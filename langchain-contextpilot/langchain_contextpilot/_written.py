@@ -19,7 +19,7 @@ from contextpilot_integrations import PreparedRequest, Reference, content_id
 from contextpilot_integrations.core.annotations import quote_status, reference_pattern
 from contextpilot_integrations.pilot.binding import Binding
 
-from .cache_markers import _part_text, _parts
+from .cache_markers import part_text, parts_of
 
 __all__ = ["REFERENCES_KEY", "REQUEST_KEY", "TURN_KEY", "as_sent", "newest_written", "note_written", "written_out"]
 
@@ -123,4 +123,4 @@ def _names_one(before: list[str], head: list[str], reference: str, rest: str) ->
 
 
 def _texts(message: BaseMessage) -> list[str]:
-    return [text for part in _parts(message) if (text := _part_text(part)) is not None]
+    return [text for part in parts_of(message) if (text := part_text(part)) is not None]

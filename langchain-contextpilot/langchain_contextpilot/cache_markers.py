@@ -175,12 +175,14 @@ def mark_messages(
 
 
 # ---- reading messages ----------------------------------------------------------------------------
-def _parts(message: BaseMessage) -> list[Any]:
+def parts_of(message: BaseMessage) -> list[Any]:
+    """The message's content as a list of parts (a string content: one text part)."""
     content = message.content
     return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
-def _part_text(part: Any) -> str | None:
+def part_text(part: Any) -> str | None:
+    """A content part's text (``None``: not a text part)."""
     if isinstance(part, str):
         return part
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
@@ -190,7 +192,7 @@ def _part_text(part: Any) -> str | None:
 
 def text_of(message: BaseMessage) -> str:
     """The message's text parts, joined."""
-    return "".join(text for part in _parts(message) if (text := _part_text(part)) is not None)
+    return "".join(text for part in parts_of(message) if (text := part_text(part)) is not None)
 
 
 def _markers_in(message: BaseMessage, provider: str) -> int:
@@ -221,8 +223,8 @@ def _find(messages: Sequence[BaseMessage], needle: str, provider: str) -> tuple[
     for message_index, message in enumerate(messages):
         if not _markable(message, provider):
             continue
-        for part_index, part in enumerate(_parts(message)):
-            text = _part_text(part)
+        for part_index, part in enumerate(parts_of(message)):
+            text = part_text(part)
             position = -1 if text is None else text.find(needle)
             if position != -1:
                 return (message_index, part_index), position + len(needle)
@@ -232,9 +234,9 @@ def _find(messages: Sequence[BaseMessage], needle: str, provider: str) -> tuple[
 # ---- writing markers -------------------------------------------------------------------------------
 def _split(message: BaseMessage, part_index: int, ends: list[int], provider: str) -> tuple[BaseMessage, int]:
     """``message`` with its text part cut after each of ``ends``, a marker after each cut."""
-    parts = _parts(message)
+    parts = parts_of(message)
     part = parts[part_index]
-    text = _part_text(part) or ""
+    text = part_text(part) or ""
     base = {k: v for k, v in part.items() if k not in ("text", "cache_control")} if isinstance(part, dict) else {}
     base.setdefault("type", "text")
     pieces: list[Any] = []
@@ -265,8 +267,8 @@ def _mark_end(message: BaseMessage, provider: str) -> BaseMessage | None:
     has one there already)."""
     if not _markable(message, provider):
         return None
-    parts = _parts(message)
-    if not parts or _part_text(parts[-1]) is None or not _part_text(parts[-1]):
+    parts = parts_of(message)
+    if not parts or part_text(parts[-1]) is None or not part_text(parts[-1]):
         return None
     last = parts[-1] if isinstance(parts[-1], dict) else {"type": "text", "text": parts[-1]}
     if last.get("cache_control") or last.get("prompt_cache_breakpoint"):

@@ -27,16 +27,15 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
-from contextpilot_integrations.engines.engine_info import learn_engine_in_background
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
-from contextpilot_integrations.integration.hosted_feedback import report_provider_served
-from contextpilot_integrations.pilot.binding import Binding, partitioned
+from contextpilot_integrations.integration.model_call import EngineAccess, ModelCall, reraise
+from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import _binding, _model_calls, cache_markers
-from ._model_calls import BINDING_KWARG, PROMPT_IDS_KEY
+from ._model_calls import BINDING_KWARG, BLOCK_ENDS_KEY, PROMPT_IDS_KEY
 
 __all__ = ["ChatSGLang", "ContextPilotChatModel"]
 
@@ -47,9 +46,11 @@ _SENDING: ContextVar[bool] = ContextVar("contextpilot_sending", default=False)
 
 
 class _SendsPreparedRequests:
-    """The calls of a chat model that sends the invocation's prepared request.
+    """The calls of a chat model that sends the invocation's prepared request (the core's
+    :class:`~contextpilot_integrations.integration.model_call.ModelCall` around each).
 
-    Subclasses say how to reach the provider (:meth:`_send` and its stream/async forms)."""
+    Subclasses name the model that talks to the provider (:meth:`_provider_model`) and send
+    through it (:meth:`_send`); a hosted API's cache markers are :meth:`_hosted` and :meth:`_marked`."""
 
     engine: str | None
     event_sink: Any
@@ -57,109 +58,85 @@ class _SendsPreparedRequests:
     discover: bool | None
 
     # provided by the subclass -------------------------------------------------------------
-    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
+    def _provider_model(self) -> Any:
+        """The model that talks to the provider (its ``extra_body``, ``model_kwargs``, base URL and key)."""
         raise NotImplementedError
 
-    async def _asend(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> ChatResult:
+    def _send(
+        self, method: str, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Any:
+        """The provider's own ``method`` (``_generate``, ``_agenerate``, ``_stream``, ``_astream``)."""
         raise NotImplementedError
 
-    def _send_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> Iterator[ChatGenerationChunk]:
-        raise NotImplementedError
-
-    def _asend_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> AsyncIterator[ChatGenerationChunk]:
-        raise NotImplementedError
-
-    def _provider_extra_body(self) -> dict[str, Any] | None:
+    def _hosted(self) -> str | None:
+        """The hosted API whose cache markers this model writes (``None``: none)."""
         return None
 
-    def _engine_base_url(self) -> str | None:
-        """The OpenAI-compatible engine's URL, where its ``/tokenize`` is (``None``: none)."""
-        return None
-
-    def _block_tokenizer(self) -> BlockTokenizer | None:
-        """With an event sink and an engine that tokenizes (SGLang, vLLM): the core client's
-        tokenizer of blocks, one per model, so block ends reach the sink (exact mapping)."""
-        if self.event_sink is None or self.engine not in ("sglang", "vllm"):
-            return None
-        base_url = self._engine_base_url()
-        if not base_url:
-            return None
-        tokenizers: dict[tuple[str, str], BlockTokenizer] = self.__dict__.setdefault("_contextpilot_tokenizers", {})
-        cached = tokenizers.get((base_url, self.engine))
-        if cached is None:
-            key = getattr(self, "openai_api_key", None) or getattr(self._wrapped_llm(), "openai_api_key", None)
-            secret = key.get_secret_value() if key is not None else ""
-            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-            model = getattr(self, "model_name", None) or getattr(self._wrapped_llm(), "model_name", None) or "default"
-            cached = BlockTokenizer(base_url, self.engine, model=model, headers=headers)
-            cached = tokenizers.setdefault((base_url, self.engine), cached)
-        return cached
-
-    def _wrapped_llm(self) -> Any:
-        return None
-
-    def _learn_engine(self, binding: Binding | None) -> None:
-        """Once per pilot and engine, on a thread of its own: the engine's page size, KV pool
-        and tokenizer for the request's pilot, where its user left them unset (see
-        :mod:`contextpilot_integrations.engines.engine_info`; ``discover=False``: never)."""
-        base_url = self._engine_base_url() if binding is not None and self.engine is not None else None
-        if binding is None or not base_url or self.discover is False:
-            return
-        key = getattr(self, "openai_api_key", None) or getattr(self._wrapped_llm(), "openai_api_key", None)
-        secret = key.get_secret_value() if key is not None else ""
-        model = getattr(self, "model_name", None) or getattr(self._wrapped_llm(), "model_name", None) or "default"
-        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-        learn_engine_in_background(
-            binding.pilot, base_url, engine=self.engine, model=model, headers=headers, discover=self.discover
-        )
-
-    def _body_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The request body's own fields this call sends beside its messages (where a
-        ``cache_salt``, an ``extra_key`` or a ``lora_path`` would be)."""
-        model_kwargs = getattr(self._wrapped_llm() or self, "model_kwargs", None) or {}
-        extra = {**(self._provider_extra_body() or {}), **(kwargs.get("extra_body") or {})}
-        return {**model_kwargs, **extra, **kwargs}
+    def _marked(
+        self, call: ModelCall, messages: list[BaseMessage], kwargs: dict[str, Any], provider: str
+    ) -> tuple[list[BaseMessage], dict[str, Any]]:
+        """The messages and arguments with ``provider``'s cache markers."""
+        return messages, kwargs
 
     # the calls ------------------------------------------------------------------------------
     def _before(
         self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
-    ) -> tuple[Binding | None, list[BaseMessage], dict[str, Any]]:
-        binding, sent = _model_calls.bind(run_manager, kwargs, messages)
-        binding = partitioned(binding, self._body_fields(kwargs))  # the engine's cache partition it goes to
-        kwargs = _model_calls.with_ids(
-            self.engine, binding, kwargs, self._provider_extra_body(), self.event_sink is not None
-        )
-        return binding, sent, kwargs
+    ) -> tuple[ModelCall, list[BaseMessage], dict[str, Any]]:
+        call = _model_calls.start(run_manager, kwargs, self.event_sink)
+        model = self._provider_model()
+        extra_body = getattr(model, "extra_body", None)
+        # the request body's own fields beside its messages (a cache_salt, an extra_key, a lora_path)
+        fields = {
+            **(getattr(model, "model_kwargs", None) or {}),
+            **(extra_body or {}),
+            **(kwargs.get("extra_body") or {}),
+        }
+        sent = _model_calls.sent(call, messages, {**fields, **kwargs})
+        kwargs = _model_calls.with_ids(self.engine, call.binding, kwargs, extra_body, self.event_sink is not None)
+        provider = self._hosted()
+        if call.binding is not None and provider is not None:
+            sent, kwargs = self._marked(call, sent, kwargs, provider)
+        return call, sent, kwargs
 
-    def _after(self, binding: Binding | None, message: Any) -> None:
-        self._learn_engine(binding)  # once: the engine's page and tokenizer, for the next requests
-        ends = _model_calls.block_ends(self._block_tokenizer(), binding, message)
+    def _after(self, call: ModelCall, message: Any) -> None:
+        provider = self._hosted()
+        if provider is not None:
+            if message is not None:  # a hosted API's short read is no eviction: off by default
+                call.served_hosted(
+                    cache_markers.raw_usage(message, provider), provider, usage_feedback=bool(self.usage_feedback)
+                )
+            return
+        model = self._provider_model()
+        call.learn_engine(self.engine, _engine_access(model), self.discover)  # once, for the next requests
+        if call.binding is None or message is None:
+            return
         feedback = self.event_sink is None if self.usage_feedback is None else self.usage_feedback
-        _model_calls.report(
-            binding,
-            message,
-            usage_feedback=feedback,
-            tracker=self.event_sink,
-            block_ends=ends,
-            chat_model=self._wrapped_llm() or self,
-        )
+        ends = call.served(_model_calls.usage_of(message, model), usage_feedback=feedback, tokenizer=self._tokenizer())
+        metadata = getattr(message, "response_metadata", None)
+        if ends is not None and isinstance(metadata, dict):
+            metadata[BLOCK_ENDS_KEY] = ends
 
-    async def _aafter(self, binding: Binding | None, message: Any) -> None:
+    async def _aafter(self, call: ModelCall, message: Any) -> None:
         """:meth:`_after`, its ``/tokenize`` calls (new blocks only) off the event loop."""
-        if self._block_tokenizer() is None or binding is None:
-            self._after(binding, message)
+        if self._tokenizer() is None or call.binding is None:
+            self._after(call, message)
         else:
-            await asyncio.to_thread(self._after, binding, message)
+            await asyncio.to_thread(self._after, call, message)
 
-    def _failure(self, run_manager: Any, binding: Binding | None, exc: BaseException) -> BaseException:
-        _model_calls.failed(run_manager, binding, self.event_sink)
-        return _model_calls.typed(exc, type(self).__name__)
+    def _tokenizer(self) -> BlockTokenizer | None:
+        """With an event sink and an engine that tokenizes (SGLang, vLLM): the core client's
+        tokenizer of blocks, one per model, so block ends reach the sink (exact mapping)."""
+        if self.event_sink is None or self.engine not in ("sglang", "vllm"):
+            return None
+        access = _engine_access(self._provider_model())
+        if access is None:
+            return None
+        tokenizers: dict[tuple[str, str], BlockTokenizer] = self.__dict__.setdefault("_contextpilot_tokenizers", {})
+        cached = tokenizers.get((access.url, self.engine))
+        if cached is None:
+            cached = BlockTokenizer(access.url, self.engine, model=access.model, headers=dict(access.headers))
+            cached = tokenizers.setdefault((access.url, self.engine), cached)
+        return cached
 
     def _generate(
         self,
@@ -168,15 +145,15 @@ class _SendsPreparedRequests:
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        call, messages, kwargs = self._before(messages, run_manager, kwargs)
         sending = _SENDING.set(True)
         try:
-            result = self._send(messages, stop, run_manager, **kwargs)
+            result: ChatResult = self._send("_generate", messages, stop, run_manager, **kwargs)
         except Exception as exc:
-            _reraise(self._failure(run_manager, binding, exc), exc)
+            reraise(call.failed(exc, type(self).__name__), exc)
         finally:
             _SENDING.reset(sending)
-        self._after(binding, result.generations[0].message if result.generations else None)
+        self._after(call, result.generations[0].message if result.generations else None)
         return result
 
     async def _agenerate(
@@ -186,15 +163,15 @@ class _SendsPreparedRequests:
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        call, messages, kwargs = self._before(messages, run_manager, kwargs)
         sending = _SENDING.set(True)
         try:
-            result = await self._asend(messages, stop, run_manager, **kwargs)
+            result: ChatResult = await self._send("_agenerate", messages, stop, run_manager, **kwargs)
         except BaseException as exc:  # cancelled too: the request may never have left
-            _reraise(self._failure(run_manager, binding, exc), exc)
+            reraise(call.failed(exc, type(self).__name__), exc)
         finally:
             _SENDING.reset(sending)
-        await self._aafter(binding, result.generations[0].message if result.generations else None)
+        await self._aafter(call, result.generations[0].message if result.generations else None)
         return result
 
     def _stream(
@@ -205,19 +182,19 @@ class _SendsPreparedRequests:
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         if _SENDING.get():  # streamed by our own _generate: bound there
-            yield from self._send_stream(messages, stop, run_manager, **kwargs)
+            yield from self._send("_stream", messages, stop, run_manager, **kwargs)
             return
-        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        call, messages, kwargs = self._before(messages, run_manager, kwargs)
         merged = None
         try:
-            for chunk in self._send_stream(messages, stop, run_manager, **kwargs):
+            for chunk in self._send("_stream", messages, stop, run_manager, **kwargs):
                 merged = chunk.message if merged is None else merged + chunk.message
                 yield chunk
         except GeneratorExit:  # the reader stopped early: the request was served
             raise
         except Exception as exc:
-            _reraise(self._failure(run_manager, binding, exc), exc)
-        self._after(binding, merged)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        self._after(call, merged)
 
     async def _astream(
         self,
@@ -227,26 +204,31 @@ class _SendsPreparedRequests:
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         if _SENDING.get():
-            async for chunk in self._asend_stream(messages, stop, run_manager, **kwargs):
+            async for chunk in self._send("_astream", messages, stop, run_manager, **kwargs):
                 yield chunk
             return
-        binding, messages, kwargs = self._before(messages, run_manager, kwargs)
+        call, messages, kwargs = self._before(messages, run_manager, kwargs)
         merged = None
         try:
-            async for chunk in self._asend_stream(messages, stop, run_manager, **kwargs):
+            async for chunk in self._send("_astream", messages, stop, run_manager, **kwargs):
                 merged = chunk.message if merged is None else merged + chunk.message
                 yield chunk
         except GeneratorExit:
             raise
         except BaseException as exc:
-            _reraise(self._failure(run_manager, binding, exc), exc)
-        await self._aafter(binding, merged)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        await self._aafter(call, merged)
 
 
-def _reraise(error: BaseException, original: BaseException) -> Any:
-    if error is original:
-        raise original
-    raise error from original
+def _engine_access(model: Any) -> EngineAccess | None:
+    """Where the OpenAI-compatible engine behind ``model`` answers (``None``: no base URL)."""
+    base_url = getattr(model, "openai_api_base", None)
+    if not isinstance(base_url, str) or not base_url:
+        return None
+    key = getattr(model, "openai_api_key", None)
+    secret = key.get_secret_value() if key is not None else ""
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    return EngineAccess(base_url, getattr(model, "model_name", None) or "default", headers)
 
 
 class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
@@ -331,31 +313,28 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
         bound = self.llm.bind_tools(tools, **kwargs)
         return self.bind(**getattr(bound, "kwargs", {}))
 
-    def _provider_extra_body(self) -> dict[str, Any] | None:
-        return getattr(self.llm, "extra_body", None)
+    def _provider_model(self) -> Any:
+        return self.llm
 
     def _hosted(self) -> str | None:
-        """The hosted API whose cache markers this model writes (``None``: none)."""
         if self.engine is not None or self.provider is None:
             return None
         return cache_markers.provider_of(self.llm) if self.provider == "auto" else self.provider
 
-    def _before(
-        self, messages: Sequence[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
-    ) -> tuple[Binding | None, list[BaseMessage], dict[str, Any]]:
-        binding, sent, kwargs = super()._before(messages, run_manager, kwargs)
-        provider = self._hosted()
-        if binding is None or provider is None:
-            return binding, sent, kwargs
-        sent, kwargs = mark_bound_call(
+    def _marked(
+        self, call: ModelCall, messages: list[BaseMessage], kwargs: dict[str, Any], provider: str
+    ) -> tuple[list[BaseMessage], dict[str, Any]]:
+        binding = call.binding
+        assert binding is not None
+        return mark_bound_call(
             binding,
-            sent,
+            messages,
             kwargs,
             lambda: cache_markers.mark_messages(
                 provider,
                 cache_markers.model_name(self.llm),
                 binding,
-                sent,
+                messages,
                 kwargs,
                 settings=[getattr(self.llm, "model_kwargs", None) or {}],
                 callers_key=callers_cache_key(kwargs, self.llm),
@@ -363,62 +342,24 @@ class ContextPilotChatModel(_SendsPreparedRequests, BaseChatModel):
             ),
             _log,
         )
-        return binding, sent, kwargs
 
-    def _after(self, binding: Binding | None, message: Any) -> None:
-        provider = self._hosted()
-        if provider is None:
-            super()._after(binding, message)
-        elif binding is not None and message is not None:
-            # a hosted API's short read is no eviction (it reads only at its entries, in steps): off by default
-            feedback = bool(self.usage_feedback)
-            report_provider_served(
-                binding.pilot,
-                binding.prepared,
-                cache_markers.raw_usage(message, provider),
-                provider,
-                before_tokens=binding.before_tokens,
-                usage_feedback=feedback,
-            )
-
-    def _engine_base_url(self) -> str | None:
-        base_url = getattr(self.llm, "openai_api_base", None)
-        return base_url if isinstance(base_url, str) else None
-
-    def _wrapped_llm(self) -> Any:
-        return self.llm
-
-    def _stream_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Ask for usage in streams where the model takes ``stream_usage`` (somewhere along its
-        classes: ``ChatOpenAI._stream`` passes ``**kwargs`` on to ``BaseChatOpenAI._stream``)."""
-        streams = [vars(cls)["_stream"] for cls in type(self.llm).__mro__ if "_stream" in vars(cls)]
-        if any("stream_usage" in inspect.signature(stream).parameters for stream in streams):
-            return {"stream_usage": True, **kwargs}
-        return kwargs
-
-    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
-        return self.llm._generate(messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **kwargs)
-
-    async def _asend(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> ChatResult:
-        return await self.llm._agenerate(
+    def _send(
+        self, method: str, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Any:
+        if method in ("_stream", "_astream"):
+            kwargs = _with_stream_usage(self.llm, kwargs)
+        return getattr(self.llm, method)(
             messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **kwargs
         )
 
-    def _send_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> Iterator[ChatGenerationChunk]:
-        return self.llm._stream(
-            messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **self._stream_kwargs(kwargs)
-        )
 
-    def _asend_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> AsyncIterator[ChatGenerationChunk]:
-        return self.llm._astream(
-            messages, stop=self.stop if stop is None else stop, run_manager=run_manager, **self._stream_kwargs(kwargs)
-        )
+def _with_stream_usage(llm: BaseChatModel, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Ask for usage in streams where the model takes ``stream_usage`` (somewhere along its
+    classes: ``ChatOpenAI._stream`` passes ``**kwargs`` on to ``BaseChatOpenAI._stream``)."""
+    streams = [vars(cls)["_stream"] for cls in type(llm).__mro__ if "_stream" in vars(cls)]
+    if any("stream_usage" in inspect.signature(stream).parameters for stream in streams):
+        return {"stream_usage": True, **kwargs}
+    return kwargs
 
 
 _PILOT_HINT = (
@@ -509,29 +450,13 @@ class ChatSGLang(_SendsPreparedRequests, ChatOpenAI):
     def is_lc_serializable(cls) -> bool:
         return False
 
-    def _provider_extra_body(self) -> dict[str, Any] | None:
-        return dict(self.extra_body or {})
+    def _provider_model(self) -> Any:
+        return self
 
-    def _engine_base_url(self) -> str | None:
-        return self.openai_api_base
-
-    def _send(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any) -> ChatResult:
-        return ChatOpenAI._generate(self, messages, stop=stop, run_manager=run_manager, **kwargs)
-
-    async def _asend(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> ChatResult:
-        return await ChatOpenAI._agenerate(self, messages, stop=stop, run_manager=run_manager, **kwargs)
-
-    def _send_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> Iterator[ChatGenerationChunk]:
-        return ChatOpenAI._stream(self, messages, stop=stop, run_manager=run_manager, **kwargs)
-
-    def _asend_stream(
-        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
-    ) -> AsyncIterator[ChatGenerationChunk]:
-        return ChatOpenAI._astream(self, messages, stop=stop, run_manager=run_manager, **kwargs)
+    def _send(
+        self, method: str, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, **kwargs: Any
+    ) -> Any:
+        return getattr(ChatOpenAI, method)(self, messages, stop=stop, run_manager=run_manager, **kwargs)
 
     # ---- the prompt's token ids (for KV-event mapping) ------------------------------------------
     def _create_chat_result(self, response: Any, generation_info: dict[str, Any] | None = None) -> ChatResult:

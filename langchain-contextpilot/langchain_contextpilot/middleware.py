@@ -39,17 +39,16 @@ try:
 except ImportError as exc:  # the base install has neither langchain nor langgraph
     raise ImportError("ContextPilotMiddleware needs langchain: pip install 'langchain-contextpilot[agents]'") from exc
 
-from contextpilot_integrations.engines.feedback import report_failed
 from contextpilot_integrations.integration.call_plan import callers_cache_key, conversation_cache_key, mark_bound_call
-from contextpilot_integrations.integration.hosted_feedback import report_provider_served
 from contextpilot_integrations.integration.implicit import own_pilot
-from contextpilot_integrations.pilot.binding import Binding, partitioned, prepare_bound
+from contextpilot_integrations.integration.model_call import ModelCall
+from contextpilot_integrations.pilot.binding import Binding, prepare_bound
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import cache_markers
 from ._documents import conversation_id_from_config, is_blank, partition_from_config, to_blocks
 from ._marker_limit import MarkerLimitWarning, limited
-from ._model_calls import sendable
+from ._model_calls import sent
 from ._written import REFERENCES_KEY, REQUEST_KEY, TURN_KEY, as_sent, written_out
 from .chat_models import ContextPilotChatModel
 
@@ -183,30 +182,32 @@ class ContextPilotMiddleware(AgentMiddleware):
                     return binding, rid
         return None, None
 
-    def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, Binding | None, str | None, str | None]:
-        """The request to send (markers placed), its binding, provider and tool result's id."""
+    def _prepared_call(self, request: ModelRequest) -> tuple[ModelRequest, ModelCall, str | None]:
+        """The request to send (markers placed), the call around it, and its provider."""
         self._check_model(request.model)
         binding, rid = self._take(request.messages)
         system = [request.system_message] if request.system_message is not None else []
-        messages, written = as_sent([*system, *request.messages])
-        if binding is None:
+        if binding is None or rid is None:
+            messages, _ = as_sent([*system, *request.messages])
             history: dict[str, Any] = {"messages": messages[len(system) :]}
-            return self._keyed(request.override(**history), messages), None, None, None
-        binding, messages = sendable(binding, messages, written, rid)  # rid: this call's tool result
+            return self._keyed(request.override(**history), messages), ModelCall(None), None
+        call = ModelCall(binding, retake=lambda failed: self._retake(rid, failed))
         provider = self._resolve(request.model)
         settings = dict(request.model_settings)
         inner = getattr(request.model, "llm", request.model)
         body = {**self._model_kwargs(request.model), **(getattr(inner, "extra_body", None) or {}), **settings}
-        binding = partitioned(binding, body) or binding  # the engine's cache partition it goes to
+        # the engine's cache partition it goes to; rid: this call's tool result
+        messages = sent(call, [*system, *request.messages], body, rid)
+        bound = call.binding or binding
         if provider is not None:
             messages, settings = mark_bound_call(
-                binding,
+                bound,
                 messages,
                 settings,
                 lambda: cache_markers.mark_messages(
                     provider,
                     cache_markers.model_name(request.model),
-                    binding,
+                    bound,
                     messages,
                     settings,
                     conversation=True,
@@ -223,7 +224,7 @@ class ContextPilotMiddleware(AgentMiddleware):
             overrides["model"] = limited(request.model)
         if isinstance(head, SystemMessage):
             overrides["system_message"] = head
-        return request.override(**overrides), binding, provider, rid
+        return request.override(**overrides), call, provider
 
     def _check_model(self, model: Any) -> None:
         if self._warned_wrapped or not isinstance(model, ContextPilotChatModel):
@@ -268,49 +269,39 @@ class ContextPilotMiddleware(AgentMiddleware):
         inner = getattr(model, "llm", model)  # a ContextPilotChatModel around a provider's model
         return cache_markers.provider_of(inner)
 
-    def _report(self, binding: Binding | None, provider: str | None, response: Any) -> None:
-        if binding is None:
+    def _report(self, call: ModelCall, provider: str | None, response: Any) -> None:
+        if call.binding is None:
             return
         messages = getattr(response, "result", None) or []
         answer = next((message for message in messages if isinstance(message, AIMessage)), None)
         if answer is not None:
-            report_provider_served(
-                binding.pilot,
-                binding.prepared,
-                cache_markers.raw_usage(answer, provider),
-                provider,
-                before_tokens=binding.before_tokens,
-                usage_feedback=self.usage_feedback,
-            )
+            call.served_hosted(cache_markers.raw_usage(answer, provider), provider, usage_feedback=self.usage_feedback)
 
-    def _failed(self, binding: Binding | None, rid: str | None) -> None:
-        """The call failed: the pilot forgets the request, and a retry (``ModelRetryMiddleware``
+    def _retake(self, rid: str, failed: Binding) -> None:
+        """The call failed (the pilot forgot the request): a retry (``ModelRetryMiddleware``
         around this one) takes it again, under a new id."""
-        if binding is None or rid is None:
-            return
-        report_failed(binding.pilot, binding.prepared)
-        retry = Binding(binding.pilot, binding.pilot.adopt(binding.prepared, fresh_id=True))
+        retry = Binding(failed.pilot, failed.pilot.adopt(failed.prepared, fresh_id=True))
         with self._lock:
             self._pending[rid] = retry
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
-        request, binding, provider, rid = self._prepared_call(request)
+        request, call, provider = self._prepared_call(request)
         try:
             response = handler(request)
-        except BaseException:
-            self._failed(binding, rid)
+        except BaseException as exc:
+            call.failed(exc)
             raise
-        self._report(binding, provider, response)
+        self._report(call, provider, response)
         return response
 
     async def awrap_model_call(
         self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
     ) -> Any:
-        request, binding, provider, rid = self._prepared_call(request)
+        request, call, provider = self._prepared_call(request)
         try:
             response = await handler(request)
-        except BaseException:  # cancelled too: the request may never have left
-            self._failed(binding, rid)
+        except BaseException as exc:  # cancelled too: the request may never have left
+            call.failed(exc)
             raise
-        self._report(binding, provider, response)
+        self._report(call, provider, response)
         return response

@@ -1,16 +1,14 @@
-"""What every LLM call of this package does around the provider's own call.
+"""LlamaIndex's pieces of the model-call protocol (the core's
+:class:`~contextpilot_integrations.integration.model_call.ModelCall`).
 
-Before: take the prepared request (named by the chat engine, or left by the postprocessor
-in the same query's span tree), put back the text of any location reference whose target
-the messages do not carry, add the engine's request-id fields. After: the provider's token
-counts (OpenAI-style or Anthropic-style raw usage) go to the request's pilot; a failure
-makes the pilot forget it. Transport failures surface as the core's
-:class:`EngineUnavailable`.
+Where a call's prepared request comes from (named by the chat engine, or left by the
+postprocessor in the same query's span tree), the texts of LlamaIndex's messages (their text
+blocks), and the usage of a raw answer (OpenAI-style or Anthropic-style). The protocol itself
+is the core's.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,10 +16,10 @@ from llama_index.core.base.llms.types import ChatMessage, TextBlock
 
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
-from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
-from contextpilot_integrations.errors import EngineError, as_engine_error
-from contextpilot_integrations.pilot.binding import Binding, checked_for_sending, partitioned
-from contextpilot_integrations.pilot.telemetry import record_model_call
+from contextpilot_integrations.engines.feedback import EventTracker
+from contextpilot_integrations.errors import EngineError
+from contextpilot_integrations.integration.model_call import EngineUsage, MessageTexts, ModelCall
+from contextpilot_integrations.pilot.binding import Binding
 
 from . import _binding
 
@@ -30,42 +28,28 @@ BINDING_KWARG = "contextpilot_binding"
 
 
 def bind(
-    kwargs: dict[str, Any], messages: Sequence[ChatMessage], fields: Mapping[str, Any] | None = None
-) -> tuple[Binding | None, list[ChatMessage]]:
-    """The call's prepared request (in the cache partition its body ``fields`` name), and the
-    messages to send (every reference resolvable)."""
+    kwargs: dict[str, Any],
+    messages: Sequence[ChatMessage],
+    fields: Mapping[str, Any] | None = None,
+    tracker: EventTracker | None = None,
+) -> tuple[ModelCall, list[ChatMessage]]:
+    """The call and its prepared request (named in ``kwargs``, taken out of them, else the
+    query's), in the cache partition its body ``fields`` name, and the messages to send
+    (every reference resolvable)."""
     binding = kwargs.pop(BINDING_KWARG, None)
     if binding is None:
         binding = _binding.take()
-    binding = partitioned(binding, {**(fields or {}), **(kwargs.get("extra_body") or {}), **kwargs})
-    messages = list(messages)
-    if binding is None:
-        return None, messages
-    segments, places = _segments(messages)
-    binding = checked_for_sending(binding, segments)
-    return binding, _rebuilt(messages, segments, places)
+    call = ModelCall(binding, tracker=tracker, retake=_binding.failed)
+    body = {**(fields or {}), **(kwargs.get("extra_body") or {}), **kwargs}
+    return call, call.before(list(messages), MESSAGE_TEXTS, body)
 
 
 def bind_prompt(
-    kwargs: dict[str, Any], prompt: str, fields: Mapping[str, Any] | None = None
-) -> tuple[Binding | None, str]:
+    kwargs: dict[str, Any], prompt: str, fields: Mapping[str, Any] | None = None, tracker: EventTracker | None = None
+) -> tuple[ModelCall, str]:
     """:func:`bind` for a completion prompt."""
-    binding, messages = bind(kwargs, [ChatMessage(role="user", content=prompt)], fields)
-    return binding, messages[0].content or ""
-
-
-def request_id(binding: Binding | None) -> str:
-    return binding.prepared.request_id if binding is not None else f"cp-{uuid.uuid4().hex}"
-
-
-def id_fields(engine: str | None, rid: str, extra_body: dict[str, Any] | None, prompt_ids: bool) -> dict[str, Any]:
-    """The request body's ``extra_body``: the id fields of ``engine``, and the prompt ids ask."""
-    extra = dict(extra_body or {})
-    for name in wire.REQUEST_ID_FIELDS.get(engine or "", ()):
-        extra[name] = rid
-    if prompt_ids:
-        extra.update(wire.PROMPT_IDS_REQUEST.get(engine or "", {}))
-    return extra
+    call, messages = bind(kwargs, [ChatMessage(role="user", content=prompt)], fields, tracker)
+    return call, messages[0].content or ""
 
 
 def usage_of(raw: Any) -> tuple[int | None, int | None, list[int] | None]:
@@ -100,42 +84,13 @@ def report(
     ids: list[int] | None = None,
     tokenizer: BlockTokenizer | None = None,
 ) -> int | None:
-    """The provider's counts to the request's pilot; returns the cached tokens read.
-    ``tokenizer``: where each block ends in the prompt's token ids is found with it."""
+    """The provider's counts to the request's pilot (:meth:`ModelCall.served`); returns the
+    cached tokens read. ``tokenizer``: where each block ends in the prompt's token ids is found with it."""
     prompt, cached, found = usage_of(raw)
-    prompt_ids = ids or found
     if binding is not None and prompt is not None:
-        ends = tokenizer.block_ends(binding.prepared, prompt_ids) if tokenizer is not None and prompt_ids else None
-        report_served(
-            binding.pilot,
-            binding.prepared,
-            prompt,
-            cached,
-            before_tokens=binding.before_tokens,
-            usage_feedback=usage_feedback,
-            tracker=tracker,
-            input_ids=prompt_ids,
-            block_ends=ends,
-        )
-        record_model_call(binding.prepared, raw, input_tokens=prompt, cache_read_tokens=cached)  # [otel] extra
+        usage = EngineUsage(prompt, cached, input_ids=ids or found)
+        ModelCall(binding, tracker=tracker).served(usage, usage_feedback=usage_feedback, tokenizer=tokenizer, raw=raw)
     return cached
-
-
-def failed(binding: Binding | None, tracker: EventTracker | None) -> None:
-    if binding is not None:
-        report_failed(binding.pilot, binding.prepared, tracker)
-        _binding.failed(binding)
-
-
-def typed(exc: BaseException, where: str) -> BaseException:
-    """A connection that failed or broke mid-answer, as the core's :class:`EngineUnavailable`."""
-    return as_engine_error(exc, where)
-
-
-def reraise(error: BaseException, original: BaseException) -> Any:
-    if error is original:
-        raise original
-    raise error from original
 
 
 def _segments(messages: Sequence[ChatMessage]) -> tuple[list[str], list[tuple[int, int]]]:
@@ -160,3 +115,7 @@ def _rebuilt(messages: list[ChatMessage], segments: list[str], places: list[tupl
             blocks[block_index] = TextBlock(text=text)
             out[index] = message.model_copy(update={"blocks": blocks})
     return out
+
+
+MESSAGE_TEXTS: MessageTexts[ChatMessage, tuple[int, int]] = MessageTexts(_segments, _rebuilt)
+"""LlamaIndex's messages as texts: their text blocks."""

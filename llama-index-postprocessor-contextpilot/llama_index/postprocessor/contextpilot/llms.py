@@ -31,10 +31,9 @@ from llama_index.llms.openai_like import OpenAILike
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
 from contextpilot_integrations.engines.client import BlockTokenizer
-from contextpilot_integrations.engines.engine_info import learn_engine_in_background
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
-from contextpilot_integrations.integration.hosted_feedback import report_provider_served
+from contextpilot_integrations.integration.model_call import EngineAccess, ModelCall, id_fields, reraise
 from contextpilot_integrations.pilot.binding import Binding
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
@@ -48,15 +47,13 @@ _log = logging.getLogger(__name__)
 
 
 class _Reports:
-    """Bookkeeping around one provider call (shared by both LLM classes)."""
+    """Bookkeeping around one provider call (shared by both LLM classes): the core's
+    :class:`~contextpilot_integrations.integration.model_call.ModelCall` after the answer."""
 
     event_sink: Any
     usage_feedback: bool | None
     engine: str | None
     discover: bool | None
-
-    def _feedback(self) -> bool:
-        return self.event_sink is None if self.usage_feedback is None else self.usage_feedback
 
     def _block_tokenizer(self) -> BlockTokenizer | None:
         """The core client's tokenizer of blocks, where the engine has ``/tokenize``."""
@@ -69,31 +66,31 @@ class _Reports:
         extra = dict(getattr(llm, "additional_kwargs", None) or {})
         return {**extra, **(extra.get("extra_body") or {})}
 
-    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
-        """The engine's URL (``None``: no engine), model and headers."""
-        return None, "default", {}
+    def _engine_access(self) -> EngineAccess | None:
+        """Where the engine answers (``None``: no engine)."""
+        return None
 
-    def _learn_engine(self, binding: Binding | None) -> None:
-        """Once per pilot and engine, on a thread of its own: the engine's page size, KV pool
-        and tokenizer for the request's pilot, where its user left them unset (see
-        :mod:`contextpilot_integrations.engines.engine_info`; ``discover=False``: never)."""
-        if binding is None or self.engine is None or self.discover is False:
-            return
-        url, model, headers = self._engine_access()
-        if url:
-            learn_engine_in_background(
-                binding.pilot, url, engine=self.engine, model=model, headers=headers, discover=self.discover
-            )
+    def _hosted(self) -> str | None:
+        """The hosted API whose cache markers this LLM writes (``None``: none)."""
+        return None
 
-    def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
+    def _done(self, call: ModelCall, response: Any, ids: list[int] | None = None) -> Any:
         if response is None:
             return None
-        self._learn_engine(binding)  # once: the engine's page and tokenizer, for the next requests
-        tokenizer = self._block_tokenizer() if self.event_sink is not None and binding is not None else None
+        provider = self._hosted()
+        if provider is not None:
+            # a hosted API's short read is no eviction
+            usage = call.served_hosted(response.raw, provider, usage_feedback=bool(self.usage_feedback))
+            if usage is not None:
+                response.additional_kwargs["cached_tokens"] = usage.cache_read_tokens
+                response.additional_kwargs["cache_write_tokens"] = usage.cache_write_tokens
+            return response
+        call.learn_engine(self.engine, self._engine_access(), self.discover)  # once, for the next requests
+        tokenizer = self._block_tokenizer() if self.event_sink is not None and call.binding is not None else None
         cached = _llm_calls.report(
-            binding,
+            call.binding,
             response.raw,
-            usage_feedback=self._feedback(),
+            usage_feedback=self.event_sink is None if self.usage_feedback is None else self.usage_feedback,
             tracker=self.event_sink,
             ids=ids,
             tokenizer=tokenizer,
@@ -102,11 +99,7 @@ class _Reports:
             response.additional_kwargs["cached_tokens"] = cached
         return response
 
-    def _fail(self, binding: Binding | None, exc: BaseException) -> BaseException:
-        _llm_calls.failed(binding, self.event_sink)
-        return _llm_calls.typed(exc, type(self).__name__)
-
-    def _streamed(self, binding: Binding | None, stream: Any) -> Generator[Any, None, None]:
+    def _streamed(self, call: ModelCall, stream: Any) -> Generator[Any, None, None]:
         last, ids = None, None
         try:
             for response in stream:
@@ -116,10 +109,10 @@ class _Reports:
         except GeneratorExit:  # the reader stopped early: the request was served
             raise
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        self._done(binding, last, ids)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        self._done(call, last, ids)
 
-    async def _astreamed(self, binding: Binding | None, stream: Any) -> AsyncGenerator[Any, None]:
+    async def _astreamed(self, call: ModelCall, stream: Any) -> AsyncGenerator[Any, None]:
         last, ids = None, None
         try:
             async for response in stream:
@@ -129,8 +122,8 @@ class _Reports:
         except GeneratorExit:
             raise
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        self._done(binding, last, ids)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        self._done(call, last, ids)
 
 
 class ContextPilotLLM(_Reports, LLM):
@@ -200,11 +193,12 @@ class ContextPilotLLM(_Reports, LLM):
     def metadata(self) -> LLMMetadata:
         return self.llm.metadata  # type: ignore[no-any-return]
 
-    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
+    def _engine_access(self) -> EngineAccess | None:
         url = getattr(self.llm, "api_base", None)
         key = getattr(self.llm, "api_key", None)
         headers = {"Authorization": f"Bearer {key}"} if isinstance(key, str) and key else {}
-        return (url if isinstance(url, str) else None), str(getattr(self.llm, "model", None) or "default"), headers
+        model = str(getattr(self.llm, "model", None) or "default")
+        return EngineAccess(url, model, headers) if isinstance(url, str) and url else None
 
     def _streaming(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Ask an OpenAI-compatible model for usage at the end of a stream."""
@@ -212,29 +206,26 @@ class ContextPilotLLM(_Reports, LLM):
             return {"stream_options": {"include_usage": True}, **kwargs}
         return kwargs
 
-    def _with_ids(self, binding: Binding | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _with_ids(self, call: ModelCall, kwargs: dict[str, Any]) -> dict[str, Any]:
         if not wire.REQUEST_ID_FIELDS.get(self.engine or ""):
             return kwargs
         base = (self.llm.additional_kwargs or {}).get("extra_body")
-        extra = _llm_calls.id_fields(
-            self.engine, _llm_calls.request_id(binding), {**(base or {}), **(kwargs.get("extra_body") or {})}, False
-        )
+        extra = call.id_fields(self.engine, {**(base or {}), **(kwargs.get("extra_body") or {})}, prompt_ids=False)
         return {**kwargs, "extra_body": extra}
 
     def _hosted(self) -> str | None:
-        """The hosted API whose cache markers this LLM writes (``None``: none)."""
         if self.engine is not None or self.provider is None:
             return None
         return cache_points.provider_of(self.llm) if self.provider == "auto" else self.provider
 
     def _bind_chat(
         self, kwargs: dict[str, Any], messages: Sequence[ChatMessage]
-    ) -> tuple[Binding | None, list[ChatMessage], dict[str, Any]]:
-        """The call's prepared request, and the messages and arguments to send (markers placed)."""
-        binding, sent = _llm_calls.bind(kwargs, messages, self._body_fields())
-        provider = self._hosted()
+    ) -> tuple[ModelCall, list[ChatMessage], dict[str, Any]]:
+        """The call and its prepared request, and the messages and arguments to send (markers placed)."""
+        call, sent = _llm_calls.bind(kwargs, messages, self._body_fields(), self.event_sink)
+        binding, provider = call.binding, self._hosted()
         if binding is None or provider is None:
-            return binding, sent, kwargs
+            return call, sent, kwargs
         sent, kwargs = mark_bound_call(
             binding,
             sent,
@@ -252,94 +243,75 @@ class ContextPilotLLM(_Reports, LLM):
             ),
             _log,
         )
-        return binding, sent, kwargs
-
-    def _done(self, binding: Binding | None, response: Any, ids: list[int] | None = None) -> Any:
-        provider = self._hosted()
-        if provider is None or response is None:
-            return super()._done(binding, response, ids)
-        if binding is None:
-            return response
-        usage = report_provider_served(
-            binding.pilot,
-            binding.prepared,
-            response.raw,
-            provider,
-            before_tokens=binding.before_tokens,
-            usage_feedback=bool(self.usage_feedback),  # a hosted API's short read is no eviction
-        )
-        if usage is not None:
-            response.additional_kwargs["cached_tokens"] = usage.cache_read_tokens
-            response.additional_kwargs["cache_write_tokens"] = usage.cache_write_tokens
-        return response
+        return call, sent, kwargs
 
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        binding, sent, kwargs = self._bind_chat(kwargs, messages)
+        call, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
-            response = self.llm.chat(sent, **self._with_ids(binding, kwargs))
+            response = self.llm.chat(sent, **self._with_ids(call, kwargs))
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        binding, sent, kwargs = self._bind_chat(kwargs, messages)
+        call, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
-            response = await self.llm.achat(sent, **self._with_ids(binding, kwargs))
+            response = await self.llm.achat(sent, **self._with_ids(call, kwargs))
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        binding, sent, kwargs = self._bind_chat(kwargs, messages)
+        call, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
-            stream = self.llm.stream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
+            stream = self.llm.stream_chat(sent, **self._streaming(self._with_ids(call, kwargs)))
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._streamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._streamed(call, stream)
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        binding, sent, kwargs = self._bind_chat(kwargs, messages)
+        call, sent, kwargs = self._bind_chat(kwargs, messages)
         try:
-            stream = await self.llm.astream_chat(sent, **self._streaming(self._with_ids(binding, kwargs)))
+            stream = await self.llm.astream_chat(sent, **self._streaming(self._with_ids(call, kwargs)))
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._astreamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._astreamed(call, stream)
 
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
+        call, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields(), self.event_sink)
         try:
-            response = self.llm.complete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
+            response = self.llm.complete(sent, formatted=formatted, **self._with_ids(call, kwargs))
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
+        call, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields(), self.event_sink)
         try:
-            response = await self.llm.acomplete(sent, formatted=formatted, **self._with_ids(binding, kwargs))
+            response = await self.llm.acomplete(sent, formatted=formatted, **self._with_ids(call, kwargs))
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
+        call, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields(), self.event_sink)
         try:
             stream = self.llm.stream_complete(
-                sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
+                sent, formatted=formatted, **self._streaming(self._with_ids(call, kwargs))
             )
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._streamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._streamed(call, stream)
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        binding, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields())
+        call, sent = _llm_calls.bind_prompt(kwargs, prompt, self._body_fields(), self.event_sink)
         try:
             stream = await self.llm.astream_complete(
-                sent, formatted=formatted, **self._streaming(self._with_ids(binding, kwargs))
+                sent, formatted=formatted, **self._streaming(self._with_ids(call, kwargs))
             )
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._astreamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._astreamed(call, stream)
 
 
 _PILOT_HINT = (
@@ -408,9 +380,9 @@ class SGLangLLM(_Reports, OpenAILike):
     def class_name(cls) -> str:
         return "SGLangLLM"
 
-    def _engine_access(self) -> tuple[str | None, str, dict[str, str]]:
+    def _engine_access(self) -> EngineAccess | None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return self.api_base or None, self.model, headers
+        return EngineAccess(self.api_base, self.model, headers) if self.api_base else None
 
     def _block_tokenizer(self) -> BlockTokenizer | None:
         """Block ends for ``event_sink`` (exact mapping): each distinct block tokenized once
@@ -425,9 +397,9 @@ class SGLangLLM(_Reports, OpenAILike):
         return tokenizers[self.api_base]
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
-        rid = kwargs.pop(_RID_KWARG, None) or _llm_calls.request_id(None)
+        rid = kwargs.pop(_RID_KWARG, None) or ModelCall(None).request_id
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        extra = _llm_calls.id_fields(self.engine, rid, model_kwargs.get("extra_body"), self.event_sink is not None)
+        extra = id_fields(self.engine, rid, model_kwargs.get("extra_body"), prompt_ids=self.event_sink is not None)
         if self.slot is not None:
             extra["id_slot"] = self.slot
         model_kwargs["extra_body"] = extra
@@ -435,12 +407,10 @@ class SGLangLLM(_Reports, OpenAILike):
             model_kwargs.setdefault("stream_options", {"include_usage": True})
         return model_kwargs
 
-    def _bind(
-        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-    ) -> tuple[Binding | None, list[ChatMessage]]:
-        binding, sent = _llm_calls.bind(kwargs, messages, self._body_fields())
-        kwargs[_RID_KWARG] = _llm_calls.request_id(binding)
-        return binding, sent
+    def _bind(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[ModelCall, list[ChatMessage]]:
+        call, sent = _llm_calls.bind(kwargs, messages, self._body_fields(), self.event_sink)
+        kwargs[_RID_KWARG] = call.request_id
+        return call, sent
 
     # ---- routing across targets ----------------------------------------------------------------
     def _delegate(self, target: Any) -> SGLangLLM:
@@ -477,32 +447,32 @@ class SGLangLLM(_Reports, OpenAILike):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         if self.router is not None:
             return self._route(kwargs, lambda llm, kw: llm.chat(messages, **kw))  # type: ignore[no-any-return]
-        binding, sent = self._bind(messages, kwargs)
+        call, sent = self._bind(messages, kwargs)
         try:
             response = super().chat(sent, **kwargs)
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         if self.router is not None:
             return await self._route(kwargs, lambda llm, kw: llm.achat(messages, **kw), run=self.router.acall)  # type: ignore[no-any-return]
-        binding, sent = self._bind(messages, kwargs)
+        call, sent = self._bind(messages, kwargs)
         try:
             response = await super().achat(sent, **kwargs)
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._done(binding, response)  # type: ignore[no-any-return]
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._done(call, response)  # type: ignore[no-any-return]
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generator[ChatResponse, None, None]:
         if self.router is not None:  # routed; the stream is read whole so that failover can resend
             return iter(self._route(kwargs, lambda llm, kw: list(llm.stream_chat(messages, **kw))))  # type: ignore[return-value]
-        binding, sent = self._bind(messages, kwargs)  # now, in the caller's span: not when read
+        call, sent = self._bind(messages, kwargs)  # now, in the caller's span: not when read
         try:
             stream = super().stream_chat(sent, **kwargs)
         except Exception as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._streamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._streamed(call, stream)
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> AsyncGenerator[ChatResponse, None]:
         if self.router is not None:
@@ -517,12 +487,12 @@ class SGLangLLM(_Reports, OpenAILike):
                     yield chunk
 
             return replay()
-        binding, sent = self._bind(messages, kwargs)
+        call, sent = self._bind(messages, kwargs)
         try:
             stream = await super().astream_chat(sent, **kwargs)
         except BaseException as exc:
-            _llm_calls.reraise(self._fail(binding, exc), exc)
-        return self._astreamed(binding, stream)
+            reraise(call.failed(exc, type(self).__name__), exc)
+        return self._astreamed(call, stream)
 
 
 def _is_openai(llm: Any) -> bool:
