@@ -17,15 +17,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.blocks import Block, BlockLike, normalize_blocks
 from ..core.validation import check_conversation_id, check_kept_turns, check_partition, check_query
 from ..pilot import BatchRequest
 from ..pilot.facade import Binding
-from ..pilot.ports import BatchPlanner
+from ..pilot.ports import BatchPlanner, Preparer
+
+if TYPE_CHECKING:
+    from ..engines.router import Router
+    from ..pilot import ContextPilot
 
 __all__ = ["MicroBatcher"]
 
@@ -116,7 +120,7 @@ class MicroBatcher:
     # ---- async ------------------------------------------------------------------------------
     async def aprepare(
         self,
-        blocks: Sequence[BlockLike],
+        blocks: Iterable[BlockLike],
         query: str,
         conversation_id: str | None = None,
         *,
@@ -144,7 +148,7 @@ class MicroBatcher:
     # ---- threads -----------------------------------------------------------------------------
     def prepare(
         self,
-        blocks: Sequence[BlockLike],
+        blocks: Iterable[BlockLike],
         query: str,
         conversation_id: str | None = None,
         *,
@@ -326,3 +330,11 @@ class MicroBatcher:
             binding.pilot.discard(binding.prepared)
         except Exception:  # never let one caller's cleanup fail the others
             _log.exception("could not discard a planned request")
+
+
+if TYPE_CHECKING:  # mypy checks here that all three preparers implement the ports alike
+
+    def _ports(
+        pilot: ContextPilot, router: Router, batcher: MicroBatcher
+    ) -> tuple[Preparer[Any], Preparer[Any], Preparer[Any], BatchPlanner[Any], BatchPlanner[Any]]:
+        return pilot, router, batcher, pilot, router

@@ -8,11 +8,12 @@ from typing import Any
 from langchain_core.callbacks import Callbacks, adispatch_custom_event, dispatch_custom_event
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.runnables import RunnableConfig, RunnableLambda
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, SkipValidation
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 
 from ._binding import deposit
 from ._documents import (
@@ -44,7 +45,7 @@ class ContextPilotCompressor(BaseDocumentCompressor):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotCompressor"))
+    pilot: SkipValidation[Preparer[Any]] = Field(default_factory=lambda: own_pilot("ContextPilotCompressor"))
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     conversation_id: str | None = None
     """A fixed conversation; otherwise it is read from the run's metadata/config."""

@@ -15,12 +15,13 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Huma
 from langchain_core.retrievers import RetrieverLike
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.config import patch_config
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, SkipValidation
 
 from contextpilot_integrations import BlockTypeError, PreparedRequest
 from contextpilot_integrations.core.prepared import resolve_history
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, partition_from_config, to_blocks
@@ -74,7 +75,7 @@ class ConversationalRAG(RunnableSerializable[Any, BaseMessage]):
 
     retriever: RetrieverLike
     llm: Any
-    pilot: Any = Field(default_factory=lambda: own_pilot("ConversationalRAG"))
+    pilot: SkipValidation[Preparer[Any]] = Field(default_factory=lambda: own_pilot("ConversationalRAG"))
     system_prompt: str = "Answer the question using the context documents."
     max_turns: int = Field(default=8, ge=0)
     max_conversations: int = Field(default=10_000, ge=1)

@@ -31,11 +31,12 @@ from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.retrievers import RetrieverLike
 from langchain_core.runnables import RunnableConfig, ensure_config
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 from contextpilot_integrations import BlockTypeError
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import Binding, aprepare_bound, prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 
 from ._binding import deposit
 from ._documents import conversation_id_from_config, partition_from_config, to_blocks
@@ -51,7 +52,7 @@ class ContextPilotRetrieveNode(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     retriever: RetrieverLike
-    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotRetrieveNode"))
+    pilot: SkipValidation[Preparer[Any]] = Field(default_factory=lambda: own_pilot("ContextPilotRetrieveNode"))
     """A :class:`ContextPilot`, a router or a ``MicroBatcher``."""
     messages_key: str = "messages"
 

@@ -43,6 +43,7 @@ from contextpilot_integrations.integration.call_plan import callers_cache_key, c
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.integration.model_call import ModelCall
 from contextpilot_integrations.pilot.binding import Binding, prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 from contextpilot_integrations.providers.cache_key import ConversationKeys
 
 from . import cache_markers
@@ -77,7 +78,7 @@ class ContextPilotMiddleware(AgentMiddleware):
 
     def __init__(
         self,
-        pilot: Any = None,
+        pilot: Preparer[Any] | None = None,
         *,
         provider: str | None = "auto",
         document_tools: Sequence[str] | None = None,

@@ -13,10 +13,11 @@ from langchain_core.callbacks import (
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.runnables import RunnableConfig
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, SkipValidation
 
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import aprepare_bound, prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 
 from ._binding import deposit
 from ._documents import (
@@ -50,7 +51,7 @@ class ContextPilotRetriever(BaseRetriever):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     base_retriever: RetrieverLike
-    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotRetriever"))
+    pilot: SkipValidation[Preparer[Any]] = Field(default_factory=lambda: own_pilot("ContextPilotRetriever"))
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     k: int | None = None
     """Keep at most this many of the base retriever's documents (``None``: all)."""

@@ -10,10 +10,12 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+from pydantic import SkipValidation
 
 from contextpilot_integrations import Block, BlockTypeError, InvalidBlockError, PreparedRequest, Reference
 from contextpilot_integrations.integration.implicit import own_pilot
 from contextpilot_integrations.pilot.binding import prepare_bound
+from contextpilot_integrations.pilot.ports import Preparer
 
 from ._binding import deposit, span_binder
 
@@ -140,7 +142,9 @@ class ContextPilotPostprocessor(BaseNodePostprocessor):
     :class:`ContextPilotChatEngine`, which builds the prompt with its history).
     """
 
-    pilot: Any = Field(default_factory=lambda: own_pilot("ContextPilotPostprocessor"), exclude=True)
+    pilot: SkipValidation[Preparer[Any]] = Field(
+        default_factory=lambda: own_pilot("ContextPilotPostprocessor"), exclude=True
+    )
     """A :class:`ContextPilot`, a router (``engines.Router``) or a ``MicroBatcher``."""
     annotate_query: bool = True
     """Append the order annotation to the query string (the QA template shows it after the context)."""
