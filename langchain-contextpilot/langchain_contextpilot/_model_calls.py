@@ -17,7 +17,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import ensure_config
 
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.block_tokenizer import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import as_engine_error
 from contextpilot_integrations.pilot.binding import Binding, checked_for_sending

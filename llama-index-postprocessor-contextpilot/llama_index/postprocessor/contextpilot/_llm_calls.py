@@ -17,7 +17,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, TextBlock
 
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.block_tokenizer import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker, report_failed, report_served
 from contextpilot_integrations.errors import EngineError, as_engine_error
 from contextpilot_integrations.pilot.binding import Binding, checked_for_sending, partitioned
