@@ -15,31 +15,27 @@ having shown its blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
-import threading
 import time
 import uuid
-import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 
-from ..core.annotations import render_block
 from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
 from ..pilot.telemetry import record_model_call
 from . import wire
+from .answer_reader import MAX_LINE_BYTES, AnswerReader, ParsedAnswer  # MAX_LINE_BYTES re-exported
+from .block_tokenizer import BlockTokenizer  # re-exported: imported from here too
 from .deadline import deadline, deadline_transport, time_left
 from .engine_info import DISCOVERY_TIMEOUT, EngineInfo, alearn_engine, learn_engine
 from .feedback import estimate_prompt_tokens, report_failed, report_served
-from .kv_mapping import block_token_ends
 from .tokens import redact_url  # re-exported: imported from here too
 
 if TYPE_CHECKING:
@@ -47,6 +43,7 @@ if TYPE_CHECKING:
     from .sink import KvEventSink
 
 __all__ = [
+    "MAX_LINE_BYTES",
     "BlockTokenizer",
     "ChatResult",
     "EngineError",
@@ -58,10 +55,6 @@ __all__ = [
 ]
 
 _CREDENTIALS = re.compile(r"(//)[^/@\s]+@")  # user:password@ in a URL
-
-MAX_LINE_BYTES = 16 * 1024 * 1024
-"""A longer stream line is refused (SGLang's or vLLM's prompt token ids of a million-token
-prompt take about 8 MB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,266 +80,6 @@ class ChatResult:
     :func:`~.kv_mapping.block_token_ends`); ``None`` when they could not be located."""
     prompt_ms: float | None = None
     """The engine's own prefill time, where it reports one (llama-server: ``timings.prompt_ms``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    text: str
-    usage: dict[str, Any]
-    first_s: float | None  # perf_counter of the first content chunk
-    input_ids: list[int] | None
-    answer_id: str | None = None
-    prompt_ms: float | None = None
-
-
-class _Reader:
-    """Reads one answer, streamed or whole, within a byte budget and a deadline.
-
-    Bytes are kept in a ``bytearray`` and a stream is split into lines as they arrive,
-    each chunk searched once: reading is linear in the answer's size. A stream line over
-    :data:`MAX_LINE_BYTES` is refused."""
-
-    def __init__(self, where: str, stream: bool, deadline: float | None, max_bytes: int) -> None:
-        self.where = where
-        self.stream = stream
-        self.deadline = deadline
-        self.max_bytes = max_bytes
-        self.received = 0
-        self.buffer = bytearray()
-        self.text: list[str] = []
-        self.usage: dict[str, Any] = {}
-        self.first: float | None = None
-        self.input_ids: list[int] | None = None
-        self.answer_id: str | None = None
-        self.prompt_ms: float | None = None
-        self.done = False
-
-    def feed(self, chunk: bytes) -> bool:
-        """Take the next bytes; returns True once the answer is complete."""
-        self.received += len(chunk)
-        if self.received > self.max_bytes:
-            raise EngineError(f"{self.where} answered more than {self.max_bytes} bytes")
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise EngineTimeout(f"{self.where} timed out: no complete answer within the deadline")
-        if not self.stream:
-            self.buffer += chunk
-            return False
-        start = 0
-        while (end := chunk.find(b"\n", start)) >= 0:
-            self.buffer += chunk[start:end]
-            line, self.buffer = self.buffer, bytearray()
-            start = end + 1
-            if self._line(line.decode("utf-8", errors="replace").strip()):
-                self.done = True
-                return True
-        self.buffer += chunk[start:]
-        if len(self.buffer) > MAX_LINE_BYTES:
-            raise EngineError(f"{self.where} sent a stream line longer than {MAX_LINE_BYTES:,} bytes")
-        return False
-
-    def _line(self, line: str) -> bool:
-        if not line.startswith("data:"):
-            return False
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return True
-        try:
-            event = json.loads(data)
-        except (ValueError, RecursionError):  # a number of 4,300+ digits is a ValueError
-            raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}") from None
-        if not isinstance(event, dict):
-            raise EngineError(f"{self.where} sent a malformed stream chunk: {data[:100]!r}")
-        message = wire.answer_error(event)
-        if message is not None:
-            raise EngineError(f"{self.where} reported an error mid-stream: {message}")
-        choices = event.get("choices") or []
-        if not isinstance(choices, list):
-            raise EngineError(f"{self.where} sent malformed choices: {choices!r:.100}")
-        for choice in choices:
-            delta = choice.get("delta") if isinstance(choice, dict) else None
-            piece = delta.get("content") if isinstance(delta, dict) else None
-            if not isinstance(piece, str):
-                piece = ""
-            if self.first is None and (piece or (isinstance(choice, dict) and choice.get("finish_reason"))):
-                self.first = time.perf_counter()
-            self.text.append(piece)
-        if event.get("usage") is not None:
-            self.usage = wire.usage(event["usage"], self.where)
-        if self.answer_id is None and isinstance(event.get("id"), str):
-            self.answer_id = event["id"]
-        self.prompt_ms = wire.prompt_ms(event) or self.prompt_ms
-        self.input_ids = wire.input_ids(event, self.where) or self.input_ids
-        return False
-
-    def result(self) -> _Parsed:
-        if self.stream:
-            if not self.done:
-                raise EngineError(f"{self.where} ended the stream before [DONE]: the answer may be cut short")
-            return _Parsed("".join(self.text), self.usage, self.first, self.input_ids, self.answer_id, self.prompt_ms)
-        try:
-            payload = json.loads(self.buffer)
-        except (ValueError, RecursionError):  # also a number of 4,300+ digits, or too deep
-            raise EngineError(f"{self.where} answered with malformed JSON: {bytes(self.buffer[:100])!r}") from None
-        if not isinstance(payload, dict):
-            raise EngineError(f"{self.where} answered {type(payload).__name__} instead of a JSON object")
-        message = wire.answer_error(payload)
-        if message is not None:
-            raise EngineError(f"{self.where} reported an error: {message}")
-        choices = payload.get("choices") or [{}]
-        if not isinstance(choices, list) or not isinstance(choices[0], dict):
-            raise EngineError(f"{self.where} answered malformed choices: {choices!r:.100}")
-        message_obj = choices[0].get("message")
-        if not isinstance(message_obj, (dict, type(None))):
-            raise EngineError(f"{self.where} answered a malformed message: {message_obj!r:.100}")
-        text = (message_obj or {}).get("content") or ""
-        if not isinstance(text, str):
-            raise EngineError(f"{self.where} answered non-text content: {text!r:.100}")
-        answer_id = payload.get("id") if isinstance(payload.get("id"), str) else None
-        usage, ids = wire.usage(payload.get("usage"), self.where), wire.input_ids(payload, self.where)
-        return _Parsed(text, usage, None, ids, answer_id, wire.prompt_ms(payload))
-
-
-class BlockTokenizer:
-    """Token ids of rendered blocks, from the engine's own ``/tokenize`` endpoint, cached.
-
-    A block's rendered text depends on the block alone (byte-identical prefixes), so each
-    distinct block is tokenized once; :meth:`block_ends` then locates the blocks of a
-    prompt in the token ids the engine returned for it (:func:`.kv_mapping.block_token_ends`).
-    SGLang tokenizes a list of texts in one call; vLLM one text per call. Anything that
-    goes wrong yields ``None`` (no block ends: the conservative mapping), never an error.
-
-    Args:
-        base_url: the engine (``/v1`` is stripped).
-        engine: ``"sglang"`` or ``"vllm"`` (others have no usable endpoint: ``None``).
-        max_entries: distinct block texts remembered (least recently used forgotten first).
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        engine: str,
-        *,
-        model: str = "default",
-        headers: dict[str, str] | None = None,
-        timeout: float = 10.0,
-        max_entries: int = 8_192,
-    ) -> None:
-        root = base_url.rstrip("/")
-        self.url = (root[: -len("/v1")] if root.endswith("/v1") else root) + "/tokenize"
-        self.engine = engine
-        self.model = model
-        self.headers = dict(headers or {})
-        self.timeout = timeout
-        self.max_entries = max_entries
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._http: httpx.Client | None = None
-
-    def tokens(self, text: str) -> tuple[int, ...] | None:
-        """The cached token ids of a rendered block (``None`` if not tokenized yet)."""
-        with self._lock:
-            return self._cache.get(text)
-
-    def block_ends(
-        self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.Client | None = None
-    ) -> list[int] | None:
-        """Where each of the request's blocks ends in the prompt's token ids (``None``:
-        unknown). ``http``: the caller's client (default: one of this tokenizer's own, made
-        on first use; :meth:`close` closes it)."""
-        texts = _block_texts(prepared)
-        if not texts or self.engine not in ("sglang", "vllm"):
-            return None
-        try:
-            missing = self._missing(texts)
-            if missing and http is None:
-                http = self._own_client()
-            with deadline(self.timeout):  # within the caller's deadline, if it ends sooner
-                for batch in self._batches(missing):
-                    assert http is not None
-                    response = http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
-                    self._store(batch, response)
-        except (httpx.HTTPError, ValueError):
-            return None
-        return self._ends(texts, prompt_ids)
-
-    def close(self) -> None:
-        """Close the client :meth:`block_ends` made for itself (if any)."""
-        with self._lock:
-            http, self._http = self._http, None
-        if http is not None:
-            http.close()
-
-    def _own_client(self) -> httpx.Client:
-        with self._lock:
-            if self._http is None:
-                self._http = httpx.Client(timeout=self.timeout, transport=deadline_transport())
-                # a chat model that owns this tokenizer has no close(): the client goes with it
-                weakref.finalize(self, self._http.close)
-            return self._http
-
-    async def ablock_ends(
-        self, prepared: PreparedRequest, prompt_ids: Sequence[int], http: httpx.AsyncClient
-    ) -> list[int] | None:
-        texts = _block_texts(prepared)
-        if not texts or self.engine not in ("sglang", "vllm"):
-            return None
-        left = time_left()
-        try:
-            missing = self._missing(texts)
-            await asyncio.wait_for(
-                self._afetch(missing, http), self.timeout if left is None else min(left, self.timeout)
-            )
-        except (httpx.HTTPError, ValueError, asyncio.TimeoutError):  # out of time: block ends unknown
-            return None
-        return self._ends(texts, prompt_ids)
-
-    async def _afetch(self, missing: list[str], http: httpx.AsyncClient) -> None:
-        for batch in self._batches(missing):
-            response = await http.post(self.url, json=self._body(batch), headers=self.headers, timeout=self.timeout)
-            self._store(batch, response)
-
-    def _missing(self, texts: list[str]) -> list[str]:
-        with self._lock:
-            return list(dict.fromkeys(text for text in texts if text not in self._cache))
-
-    def _batches(self, texts: list[str]) -> list[list[str]]:
-        if not texts:
-            return []
-        return [texts] if self.engine == "sglang" else [[text] for text in texts]
-
-    def _body(self, texts: list[str]) -> dict[str, Any]:
-        prompt: str | list[str] = texts if self.engine == "sglang" else texts[0]
-        return {"model": self.model, "prompt": prompt, "add_special_tokens": False}
-
-    def _store(self, texts: list[str], response: httpx.Response) -> None:
-        response.raise_for_status()
-        tokens = response.json().get("tokens")
-        if self.engine == "sglang" and isinstance(tokens, list) and tokens and isinstance(tokens[0], int):
-            tokens = [tokens]  # one text answered flat
-        if self.engine == "vllm":
-            tokens = [tokens]
-        if not isinstance(tokens, list) or len(tokens) != len(texts):
-            raise ValueError("the engine's /tokenize answered an unexpected shape")
-        for ids in tokens:
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ValueError("the engine's /tokenize answered malformed token ids")
-        with self._lock:
-            for text, ids in zip(texts, tokens, strict=True):
-                self._cache[text] = tuple(ids)
-                self._cache.move_to_end(text)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-
-    def _ends(self, texts: list[str], prompt_ids: Sequence[int]) -> list[int] | None:
-        with self._lock:
-            ids = [self._cache.get(text) for text in texts]
-        if any(block is None for block in ids):
-            return None  # forgotten meanwhile (a tiny cache): conservative
-        return block_token_ends(prompt_ids, [block for block in ids if block is not None])
-
-
-def _block_texts(prepared: PreparedRequest) -> list[str]:
-    return [render_block(block, prepared.templates, prepared.labels) for block in prepared.blocks]
 
 
 _CLIENT_SETTINGS = frozenset(
@@ -619,7 +352,7 @@ class OpenAICompatClient:
             prompt_ms=parsed.prompt_ms,
         )
 
-    def _exchange(self, body: dict[str, Any], reader: _Reader) -> _Parsed:
+    def _exchange(self, body: dict[str, Any], reader: AnswerReader) -> ParsedAnswer:
         with self._http.stream("POST", self.endpoint, json=body, timeout=self._timeout(time_left())) as response:
             if response.status_code >= 400:
                 raise self._http_error(response.status_code, _limited(response.iter_bytes()))
@@ -666,7 +399,7 @@ class OpenAICompatClient:
             self._forget(prepared)
             raise
 
-    async def _aexchange(self, body: dict[str, Any], reader: _Reader) -> None:
+    async def _aexchange(self, body: dict[str, Any], reader: AnswerReader) -> None:
         async with (
             httpx.AsyncClient(timeout=self._timeout(), headers=self._headers) as http,
             http.stream("POST", self.endpoint, json=body) as response,
@@ -689,8 +422,8 @@ class OpenAICompatClient:
         per_chunk = min(self.timeout, self.deadline) if self.deadline is not None else self.timeout
         return httpx.Timeout(per_chunk, pool=per_chunk if left is None else max(0.001, min(per_chunk, left)))
 
-    def _reader(self, stream: bool, end: float | None) -> _Reader:
-        return _Reader(self.where, stream, end, self.max_response_bytes)
+    def _reader(self, stream: bool, end: float | None) -> AnswerReader:
+        return AnswerReader(self.where, stream, end, self.max_response_bytes)
 
     def _http_error(self, status: int, body: bytes) -> EngineHTTPError:
         snippet = body[:300].decode("utf-8", errors="replace").strip()
@@ -700,7 +433,7 @@ class OpenAICompatClient:
         self,
         prepared: PreparedRequest,
         start: float,
-        parsed: _Parsed,
+        parsed: ParsedAnswer,
         before_tokens: int,
         block_ends: list[int] | None = None,
     ) -> ChatResult:

@@ -3,6 +3,7 @@
 - :mod:`.facade`: :class:`ContextPilot` itself, the lock, and the wiring of the parts;
 - :mod:`.state`: the predicted engine state and its mutators;
 - :mod:`.planner`: prepare one request, plan a batch, the send decision;
+- :mod:`.settings`: the settings the planner reads, one frozen value swapped whole;
 - :mod:`.reports`: what an engine's or a hosted API's report means for the index;
 - :mod:`.stats`: :class:`PilotStats` and the counters;
 - :mod:`.ports`: the narrow interfaces its users above talk through (a router's group of pilots);

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -32,6 +31,7 @@ from ..providers.usage import ProviderUsage
 from .group import ALONE, Group
 from .planner import BatchItem, Planner
 from .reports import Reports
+from .settings import PilotSettings, _SettingsAttributes
 from .state import EngineState, checked_ids, checked_order
 from .stats import PilotStats
 from .wiring import share
@@ -45,7 +45,7 @@ SENT_PART = 1_024
 """Blocks of another worker's request indexed under one hold of the pilot's lock."""
 
 
-class ContextPilot:
+class ContextPilot(_SettingsAttributes):
     """Reorders, schedules and de-duplicates context blocks for prefix-cache reuse.
 
     Args:
@@ -98,14 +98,14 @@ class ContextPilot:
         if max_live_requests < 1 or order_form not in FORMS:
             raise ValueError(f"max_live_requests must be at least 1 and order_form one of {FORMS}")
         check_sizes(cache_tokens, page_tokens)
-        self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
-        self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
-        self.templates, self.annotate_order, self.keep_top = templates or DEFAULT_TEMPLATES, annotate_order, keep_top
         self.max_live_requests, self._engines_read = max_live_requests, OrderedDict[str, float]()  # see wiring
         self._state = EngineState.make(strategy, max_live_requests, request_id_prefix, **strategy_options)
         self._trie, self._strategy = self._state.trie, self._state.strategy
         self._lock, self._conversations = _group.lock(), _group.store(conversation_ttl, max_conversations)
-        self._planner = Planner(self._state, self._conversations, weakref.proxy(self))  # no cycle: freed when dropped
+        self._planner = Planner(self._state, self._conversations, PilotSettings())  # set below, as a user sets them
+        self.cache_tokens, self.plain_prompts, self.order_form = cache_tokens, plain_prompts, order_form
+        self.token_counter, self.page_tokens = token_counter or estimate_tokens, page_tokens
+        self.templates, self.annotate_order, self.keep_top = templates or DEFAULT_TEMPLATES, annotate_order, keep_top
         self._reports = Reports(self._state, self._conversations, self._planner.outlook)
         self.shared: SharedIndex | None = share(self, shared)
         """The shared-state client when ``shared`` (or ``CONTEXTPILOT_SHARED``) is set."""

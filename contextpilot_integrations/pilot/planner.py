@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -50,6 +50,7 @@ from ..core.validation import (
 )
 from ..errors import DuplicateRequestError
 from ..index.strategies import LiveView, plan_under_first
+from .settings import PilotSettings
 from .state import EngineState
 
 __all__ = ["BatchItem", "BatchRequest", "Outlook", "Planner", "batch_request"]
@@ -81,27 +82,14 @@ class Outlook:
     balance: Balance = field(default_factory=Balance)  # what the sends bought, less what they cost
 
 
-class Settings(Protocol):
-    """What the planner reads of its pilot's settings (:class:`~.facade.ContextPilot` has them)."""
-
-    templates: Templates
-    annotate_order: bool
-    plain_prompts: bool
-    order_form: Form
-    token_counter: TokenCounter
-    cache_tokens: int | None
-    page_tokens: int | None
-    keep_top: bool
-
-
 class Planner:
     """Prepares requests and plans batches against one :class:`~.state.EngineState`."""
 
-    def __init__(self, state: EngineState, conversations: ConversationStore, settings: Settings) -> None:
+    def __init__(self, state: EngineState, conversations: ConversationStore, settings: PilotSettings) -> None:
         self.state = state
         self.conversations = conversations
         self.settings = settings
-        """The pilot's settings, read at each decision: a pilot's attribute set later counts."""
+        """The pilot's settings, read at each decision: a pilot's attribute set later swaps in new ones."""
         self.outlook = Outlook()
         self.counters = state.counters
         self._units: TokenUnits | None = None

@@ -48,7 +48,8 @@ import httpx
 from ..core.annotations import render_block
 from ..core.blocks import Block
 from ..core.prepared import PreparedRequest
-from ..engines.client import BlockTokenizer, OpenAICompatClient
+from ..engines.block_tokenizer import BlockTokenizer
+from ..engines.client import OpenAICompatClient
 from ..engines.sink import KvEventSink
 from ..engines.wire import KvEventBatch
 from ..pilot import ContextPilot

@@ -26,7 +26,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.block_tokenizer import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call

@@ -15,7 +15,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, TextBlock
 
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.block_tokenizer import BlockTokenizer
 from contextpilot_integrations.engines.feedback import EventTracker
 from contextpilot_integrations.errors import EngineError
 from contextpilot_integrations.integration.model_call import EngineUsage, MessageTexts, ModelCall

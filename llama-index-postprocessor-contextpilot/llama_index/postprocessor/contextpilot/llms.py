@@ -30,7 +30,7 @@ from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.core.validation import refuse_unknown, retries_resend_ids
 from contextpilot_integrations.engines import wire
-from contextpilot_integrations.engines.client import BlockTokenizer
+from contextpilot_integrations.engines.block_tokenizer import BlockTokenizer
 from contextpilot_integrations.engines.loop_local import loop_local_async_client
 from contextpilot_integrations.integration.call_plan import callers_cache_key, mark_bound_call
 from contextpilot_integrations.integration.model_call import EngineAccess, ModelCall, id_fields, reraise
