@@ -69,9 +69,8 @@ class ContextPilot(_SettingsAttributes):
             ``tokens``, labels and annotation are weighed in its units (default: four characters a token, or the
             engine's own once a client or adapter given the engine has read it: :mod:`~.engines.engine_info`).
         page_tokens: the engine's page in those units (:func:`~.core.gain.page_margin`; default: unknown, or read).
-        keep_top: the retriever's top-ranked block goes out in full where a model reads it best: first in a
-            prompt of its own, last after a whole history it refers to (:mod:`~contextpilot_integrations.core.reading`);
-            ``False``: wherever reuse puts it (the paper's).
+        keep_top: the retriever's top block goes out in full where a model reads it best (first alone, last after
+            a history: :mod:`~contextpilot_integrations.core.reading`); ``False``: wherever reuse puts it (the paper's).
         **strategy_options: passed to the strategy (e.g. ``linkage_method`` for "paper").
     """
 
@@ -252,9 +251,8 @@ class ContextPilot(_SettingsAttributes):
             self._reports.record_usage(prepared, prompt_tokens, cached_tokens, cache_write_tokens, self.cache_tokens)
 
     def record_provider_usage(self, prepared: PreparedRequest, usage: ProviderUsage) -> None:
-        """Add a hosted API's usage (see :func:`~.providers.read_provider_usage`): prompt
-        tokens and cache reads as :meth:`record_usage` does, cache writes, and both by
-        provider (a usage without a provider counts under ``"unknown"``)."""
+        """Add a hosted API's usage (:func:`~.providers.read_provider_usage`) as :meth:`record_usage` does, and by
+        provider too (a usage without a provider counts under ``"unknown"``)."""
         if not isinstance(usage, ProviderUsage):
             raise TypeError(f"usage must be a ProviderUsage, got {type(usage).__name__}")
         with self._lock:
@@ -287,8 +285,7 @@ class ContextPilot(_SettingsAttributes):
             self._reports.discard(prepared)
 
     def note_restored(self, prepared: PreparedRequest, block_ids: Collection[str]) -> None:
-        """These references went out in full after all (the messages did not carry their text): counted; later
-        turns may refer to this turn for them."""
+        """These references went out in full after all (not in the messages): counted; later turns may refer here."""
         with self._lock:
             self._reports.note_restored(prepared, block_ids)
 
@@ -320,8 +317,7 @@ class ContextPilot(_SettingsAttributes):
         sizes = {block.id: block.token_count for block in normalize_blocks(blocks)[0]}
         check_partition(partition)
         with self._lock:
-            heads = self._state.reusable_heads(list(sizes), partition)
-        return max(sum(sizes[key] for key in head) for head in heads)
+            return self._state.reusable_tokens(sizes, partition)
 
     def index_nodes(self) -> list[tuple[tuple[str, ...], int, frozenset[str]]]:
         """The predicted engine state pre-order: (index keys from the root, live requests through, ending here)."""

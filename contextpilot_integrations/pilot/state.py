@@ -273,15 +273,16 @@ class EngineState:
         plain, labelled = plain_keys(ids, partition), labelled_keys(ids, partition)
         return max(self.trie.match_length(plain), self.trie.match_length(labelled))
 
-    def reusable_heads(self, keys: list[str], partition: str | None = None) -> list[list[str]]:
-        """The blocks of ``keys`` the engine could serve, sent plain and sent labelled (in ``partition``)."""
-        heads = []
+    def reusable_tokens(self, sizes: dict[str, int], partition: str | None = None) -> int:
+        """Tokens of the blocks ``sizes`` weighs (by id) the engine could serve, sent plain or sent
+        labelled (in ``partition``): the longest live prefix they can follow."""
+        keys, heads = list(sizes), []
         for indexed in (plain_keys(keys, partition), labelled_keys(keys, partition)):
             if self.strategy.name == "retrieval":
                 heads.append(keys[: self.trie.match_length(indexed)])
             else:
                 heads.append([key_block(key) for key in self.trie.best_prefix(indexed)])
-        return heads
+        return max(sum(sizes[key] for key in head) for head in heads)
 
     def live_orders(self) -> list[tuple[str, tuple[str, ...]]]:
         return [(rid, tuple(self.trie.order_of(rid))) for rid in self.live]
