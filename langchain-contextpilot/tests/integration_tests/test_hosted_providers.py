@@ -6,7 +6,7 @@ provider's marker right where the shared prefix ends, at most 4, none below the 
 minimum, one prompt_cache_key for requests that share their leading documents, and the
 provider's cache reads and writes back in the pilot's statistics. The pilots label every document
 (``plain_prompts=False``), so requests with the same leading documents share their text;
-a first sight sent plain is tested with the rule that decides it (tests/test_gain.py)."""
+a first sight sent plain is tested with the rule that decides it (tests/core/test_gain.py)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def doc(name: str, words: int = 100) -> Block:
 def annotated(*args: Any, **options: Any) -> ContextPilot:
     """A pilot that prices the order annotation into its sends and may put the top block
     anywhere: the send decision these tests weigh (the defaults leave the annotation out and
-    keep the top block at an edge: tests/test_reading.py)."""
+    keep the top block at an edge: tests/core/test_reading.py)."""
     return ContextPilot(*args, **{"annotate_order": True, "keep_top": False, **options})
 
 
@@ -66,7 +66,7 @@ def test_a_request_larger_than_the_cache_is_not_indexed() -> None:
 
 def test_a_conversation_in_the_papers_form_keeps_its_labels() -> None:
     """Later turns refer to its blocks by label (the default sends turn 0 as its text alone
-    and quotes it instead: tests/test_conversations.py)."""
+    and quotes it instead: tests/core/test_conversations.py)."""
     pilot = annotated(plain_prompts=False)
     first = pilot.prepare([doc("a"), doc("b")], "q", conversation_id="c")
     assert first.labels and "[a] " in first.render()
