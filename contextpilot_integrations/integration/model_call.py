@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, NoReturn, TypeVar
 
 from ..engines import wire
-from ..engines.client import BlockTokenizer
+from ..engines.block_tokenizer import BlockTokenizer
 from ..engines.engine_info import learn_engine_in_background
 from ..engines.feedback import EventTracker, report_failed, report_served
 from ..errors import as_engine_error
