@@ -29,13 +29,12 @@ from ..core.partitions import partition_of_body
 from ..core.prepared import PreparedRequest
 from ..errors import EngineError, EngineHTTPError, EngineTimeout, EngineUnavailable
 from ..pilot import ContextPilot
-from ..pilot.telemetry import record_model_call
 from . import wire
 from .answer_reader import MAX_LINE_BYTES, AnswerReader, ParsedAnswer  # MAX_LINE_BYTES re-exported
 from .block_tokenizer import BlockTokenizer  # re-exported: imported from here too
 from .deadline import deadline, deadline_transport, time_left
 from .engine_info import DISCOVERY_TIMEOUT, EngineInfo, alearn_engine, learn_engine
-from .feedback import estimate_prompt_tokens, report_failed, report_served
+from .feedback import EngineUsage, estimate_prompt_tokens, report_call, report_failed
 from .tokens import redact_url  # re-exported: imported from here too
 
 if TYPE_CHECKING:
@@ -454,24 +453,22 @@ class OpenAICompatClient:
             block_ends=tuple(block_ends) if block_ends is not None else None,
             prompt_ms=parsed.prompt_ms,
         )
-        report_served(
-            self.pilot,
-            prepared,
+        usage_read = EngineUsage(
             result.prompt_tokens,
             result.cached_tokens,
+            result.completion_tokens,
+            input_ids=parsed.input_ids,
+            model=self.model,
+            provider=self.engine,
+        )
+        report_call(
+            self.pilot,
+            prepared,
+            usage_read,
             before_tokens=before_tokens,
             usage_feedback=self.usage_feedback,
             tracker=self.tracker,
-            input_ids=parsed.input_ids,
             block_ends=block_ends,
-        )
-        record_model_call(  # an OpenTelemetry span with the usage (the [otel] extra; else nothing)
-            prepared,
-            model=self.model,
-            provider=self.engine,
-            input_tokens=result.prompt_tokens,
-            output_tokens=result.completion_tokens,
-            cache_read_tokens=result.cached_tokens,
         )
         return result
 

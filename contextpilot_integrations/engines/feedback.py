@@ -18,19 +18,23 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..core.prepared import PreparedRequest
 from ..core.usage import check_usage
 from ..pilot import ContextPilot
 from ..pilot.binding import Binding
+from ..pilot.telemetry import record_model_call
 from .kv_mapping import blocks_held
 
 __all__ = [
     "Binding",
+    "EngineUsage",
     "EventTracker",
     "cached_blocks_from_usage",
     "estimate_prompt_tokens",
+    "report_call",
     "report_failed",
     "report_served",
 ]
@@ -152,6 +156,57 @@ def _warn_once(pilot: ContextPilot, message: str) -> None:
         _log.warning("%s (later ones for this pilot are logged at debug level)", message)
     else:
         _log.debug(message)
+
+
+@dataclass(frozen=True)
+class EngineUsage:
+    """What an engine's answer says of the call, read from the client's or a framework's own types."""
+
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    output_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    input_ids: Sequence[int] | None = None
+    """The prompt's token ids, where the engine returned them (KV-event mapping)."""
+    model: str | None = None
+    provider: str | None = None
+
+
+def report_call(
+    pilot: ContextPilot | None,
+    prepared: PreparedRequest,
+    usage: EngineUsage,
+    *,
+    before_tokens: int = 0,
+    usage_feedback: bool = True,
+    tracker: EventTracker | None = None,
+    block_ends: Sequence[int] | None = None,
+    raw: Any = None,
+) -> int:
+    """A served call, reported once for every caller (the engine client, both adapters): a span
+    of its usage (the ``[otel]`` extra; ``raw``: the answer, naming what ``usage`` does not), then
+    the counts to the pilot (:func:`report_served`, whose return it returns)."""
+    record_model_call(
+        prepared,
+        raw,
+        model=usage.model,
+        provider=usage.provider,
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.output_tokens,
+        cache_read_tokens=usage.cached_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+    )
+    return report_served(
+        pilot,
+        prepared,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        before_tokens=before_tokens,
+        usage_feedback=usage_feedback,
+        tracker=tracker,
+        input_ids=usage.input_ids,
+        block_ends=block_ends,
+    )
 
 
 def report_failed(pilot: ContextPilot | None, prepared: PreparedRequest, tracker: EventTracker | None = None) -> None:

@@ -17,6 +17,7 @@ run binder lets a retry take the request again (``retake``):
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,10 +26,9 @@ from typing import Any, Generic, NoReturn, TypeVar
 from ..engines import wire
 from ..engines.block_tokenizer import BlockTokenizer
 from ..engines.engine_info import learn_engine_in_background
-from ..engines.feedback import EventTracker, report_failed, report_served
+from ..engines.feedback import EngineUsage, EventTracker, report_call, report_failed
 from ..errors import as_engine_error
 from ..pilot.binding import Binding, checked_for_sending, partitioned
-from ..pilot.telemetry import record_model_call
 from ..providers.usage import ProviderUsage
 from .hosted_feedback import report_provider_served
 
@@ -48,20 +48,6 @@ class MessageTexts(Generic[M, P]):
     """Every text of the messages in order, and where each came from."""
     rebuilt: Callable[[list[M], list[str], list[P]], list[M]]
     """Copies of the messages whose texts changed (the caller's objects stay untouched)."""
-
-
-@dataclass(frozen=True)
-class EngineUsage:
-    """What an engine's answer says of the call, read from the framework's own types."""
-
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    output_tokens: int | None = None
-    cache_write_tokens: int | None = None
-    input_ids: list[int] | None = None
-    """The prompt's token ids, where the engine returned them (KV-event mapping)."""
-    model: str | None = None
-    provider: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,12 +74,15 @@ class ModelCall:
         """Where the engine's KV events are mapped to requests (an event sink)."""
         self.retake = retake
         """The framework's binder: a retry of the failed call may take its request again."""
-        self._fresh = f"cp-{uuid.uuid4().hex}"
 
     @property
     def request_id(self) -> str:
-        """The bound request's id, else one of this call's own."""
+        """The bound request's id, else one of this call's own (made when first asked)."""
         return self.binding.prepared.request_id if self.binding is not None else self._fresh
+
+    @functools.cached_property
+    def _fresh(self) -> str:
+        return f"cp-{uuid.uuid4().hex}"
 
     def before(self, messages: list[M], texts: MessageTexts[M, Any], fields: Mapping[str, Any]) -> list[M]:
         """The messages to send: the request moved to the cache partition the body ``fields``
@@ -143,26 +132,15 @@ class ModelCall:
             return None
         ids = usage.input_ids
         ends = tokenizer.block_ends(binding.prepared, ids) if tokenizer is not None and ids else None
-        record_model_call(  # the [otel] extra; else nothing
-            binding.prepared,
-            raw,
-            model=usage.model,
-            provider=usage.provider,
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.output_tokens,
-            cache_read_tokens=usage.cached_tokens,
-            cache_write_tokens=usage.cache_write_tokens,
-        )
-        report_served(
+        report_call(
             binding.pilot,
             binding.prepared,
-            usage.prompt_tokens,
-            usage.cached_tokens,
+            usage,
             before_tokens=binding.before_tokens,
             usage_feedback=usage_feedback,
             tracker=self.tracker,
-            input_ids=ids,
             block_ends=ends,
+            raw=raw,
         )
         return None if ends is None else list(ends)
 
